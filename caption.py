@@ -1,0 +1,171 @@
+"""Stage 2 of CLIP4IDC: learn to describe what changed in an image pair (section 2.4).
+
+    python caption.py                                    # offline default, after `python adapt.py --data synth`
+    python caption.py --data clevr --data_root PATH      # the paper: from stage 1's best checkpoint
+    python caption.py --data clevr --init_from openai    # no adaptation stage (Table 5)
+
+The pair encoder comes from stage 1 (--init_from, default out/adapt-<data>/best.pt); a Transformer
+encoder-decoder learns the captions with word-level cross-entropy. The best epoch on val CIDEr is
+scored once on test, next to a blind baseline that writes the most frequent training caption.
+"""
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import data
+import evaluate
+from adapt import (AdaptConfig, build_model, fit, load_pair_encoder, make_loader, pair_encoder_from_config,
+                   parse_config, prepare_data, seed_everything, setup_device)
+from model import EOT, Captioner, CaptionerConfig
+
+
+@dataclass
+class CaptionConfig:  # defaults: Appendix B and the authors' code
+    data: str = "synth"  # clevr | spot | ier | synth
+    data_root: str = ""  # default: data/<data>
+    out_dir: str = ""  # default: out/caption-<data>
+    init_from: str = ""  # stage-1 checkpoint (default: out/adapt-<data>/best.pt) or "openai"
+    clip: str = "ViT-B/32"  # with --init_from openai: OpenAI model name or checkpoint path
+    n_intra: int = 9  # with --init_from openai
+    n_inter: int = 3
+    layers: int = 3
+    heads: int = 8
+    ffn: int = 2048
+    dropout: float = 0.1
+    max_len: int = 32
+    epochs: int = 50
+    batch_size: int = 16
+    lr: float = 1e-4  # the captioning model
+    lr_clip: float = 1e-7  # the pair encoder, CLIP's word embeddings included
+    weight_decay: float = 0.01
+    warmup: float = 0.1  # fraction of the steps; then linear decay
+    grad_clip: float = 1.0
+    patience: int = 10  # early stopping on val CIDEr, in epochs
+    seed: int = 42
+    max_steps: int = 0
+    amp: str = "auto"
+    compile: bool = False
+    device: str = "auto"
+    workers: int = 4
+    log_every: int = 50
+    save_every: int = 1000
+    resume: bool = False
+
+
+# The offline default: a small captioner, and a pair encoder that was itself trained from scratch.
+SYNTH_DEFAULTS = dict(heads=4, ffn=512, epochs=8, batch_size=32, lr=5e-4, lr_clip=1e-4, patience=0, workers=1)
+
+
+def caption_loss(logits, ids):
+    """Word-level cross-entropy; positions after a caption's EOT are padding and do not count."""
+    target = ids[:, 1:].masked_fill(torch.cumsum(ids == EOT, dim=1)[:, :-1] > 0, -100)
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+
+
+def build_captioner(cfg, device):
+    if cfg.init_from == "openai":
+        encoder = build_model(AdaptConfig(init="openai", clip=cfg.clip, n_intra=cfg.n_intra, n_inter=cfg.n_inter))
+    else:
+        path = cfg.init_from or f"out/adapt-{cfg.data}/best.pt"
+        if not Path(path).exists():
+            raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run `python adapt.py --data {cfg.data}` "
+                                    "first, or pass --init_from PATH (or --init_from openai to skip adaptation)")
+        encoder = load_pair_encoder(path)
+    config = CaptionerConfig(layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, dropout=cfg.dropout, max_len=cfg.max_len)
+    return Captioner(encoder, config).to(device)
+
+
+def load_captioner(path, device="cpu"):
+    """A captioner saved by caption.py (best.pt or last.pt)."""
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    cfg = CaptionConfig(**ckpt["config"])
+    encoder = pair_encoder_from_config(ckpt["model_config"])
+    config = CaptionerConfig(layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, dropout=cfg.dropout, max_len=cfg.max_len)
+    captioner = Captioner(encoder, config)
+    captioner.load_state_dict(ckpt["model"])
+    return captioner.to(device).eval()
+
+
+def ids_to_text(ids):
+    """Caption text of each generated row: the tokens between SOT and EOT."""
+    tokenizer, texts = data.get_tokenizer(), []
+    for row in ids.tolist():
+        row = row[1:]
+        texts.append(tokenizer.decode(row[:row.index(EOT)] if EOT in row else row))
+    return texts
+
+
+@torch.no_grad()
+def predict(captioner, items, cfg, device):
+    """Greedy captions for every evaluation item: {item id: caption}."""
+    captioner.eval()
+    size = captioner.encoder.config.clip.image_size
+    loader = make_loader(data.EvalDataset(items, size), cfg, device, batch_size=64)
+    preds = {}
+    for index, before, after in loader:
+        texts = ids_to_text(captioner.generate(before.to(device), after.to(device), cfg.max_len))
+        preds.update((items[i].id, text) for i, text in zip(index.tolist(), texts))
+    return preds
+
+
+def score(items, preds):
+    """The paper's caption metrics, plus the per-type CIDEr on CLEVR-Change layouts (Table 2)."""
+    refs = {item.id: item.captions for item in items}
+    metrics = evaluate.caption_metrics(refs, preds)
+    types = {item.id: item.change_type for item in items if item.change_type}
+    if types:
+        metrics["per_type"] = evaluate.per_type_cider(refs, preds, types)
+    return metrics
+
+
+def blind_baseline(train_pairs, items):
+    """Ignore the images: write the most frequent training caption for every pair."""
+    captions = Counter(c for p in train_pairs for c in p.captions + p.distractor_captions)
+    caption = captions.most_common(1)[0][0]
+    return {item.id: caption for item in items}
+
+
+def main(argv=None):
+    cfg = parse_config(CaptionConfig, SYNTH_DEFAULTS, "caption", argv)
+    print(f"config: {asdict(cfg)}")
+    seed_everything(cfg.seed)
+    splits = prepare_data(cfg)
+    device, _, _ = setup_device(cfg)
+    captioner = build_captioner(cfg, device)
+    print(f"captioner: {sum(p.numel() for p in captioner.parameters()) / 1e6:.2f}M parameters")
+    image_size, context = captioner.encoder.config.clip.image_size, captioner.encoder.config.context_length
+    train_set = data.CaptionDataset(splits["train"], image_size, context, cfg.seed)
+    val_items, test_items = data.eval_items(splits["val"]), data.eval_items(splits["test"])
+    train_model = torch.compile(captioner) if cfg.compile else captioner
+
+    def loss_fn(batch):
+        before, after, ids = (t.flatten(0, 1) for t in batch)  # change and distractor pairs in one batch
+        return caption_loss(train_model(before, after, ids), ids)
+
+    def validate():
+        preds = predict(captioner, val_items, cfg, device)
+        cider = evaluate.caption_metrics({i.id: i.captions for i in val_items}, preds, only=("CIDEr",))["CIDEr"]
+        return cider, {"CIDEr": cider}
+
+    fit(cfg, captioner, loss_fn, train_set, validate, captioner.new_parameter_names(), "linear", patience=cfg.patience)
+    out = Path(cfg.out_dir)
+    captioner.load_state_dict(torch.load(out / "best.pt", map_location=device, weights_only=True)["model"])
+    preds = predict(captioner, test_items, cfg, device)
+    evaluate.write_predictions(out / "test_predictions.json", preds)
+    results = {"test": score(test_items, preds),
+               "blind_baseline": {"test": score(test_items, blind_baseline(splits["train"], test_items))}}
+    with open(out / "metrics.json", "w") as f:
+        json.dump(results, f, indent=2)
+    print("test split, this model:")
+    print(evaluate.format_table(results["test"]))
+    print("test split, blind baseline (most frequent training caption for every pair):")
+    print(evaluate.format_table(results["blind_baseline"]["test"]))
+    print(f"wrote {out / 'metrics.json'} and {out / 'test_predictions.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""The models of CLIP4IDC, in plain PyTorch.
+
+1. CLIP: OpenAI's ViT image encoder and causal text encoder, parameter for parameter (so OpenAI's
+   weights load by name, see clip_weights.py).
+2. CLIP4IDC: the pair encoder of section 2.2 (intra layers per image, inter layers per pair) and
+   the IP-T / T-IP contrastive loss of section 2.3, trained by adapt.py.
+3. Captioner: the Transformer encoder-decoder of section 2.4 on top of the pair encoder, trained
+   by caption.py.
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class CLIPConfig:  # defaults: ViT-B/32
+    embed_dim: int = 512
+    image_size: int = 224
+    patch_size: int = 32
+    vision_width: int = 768
+    vision_layers: int = 12
+    vision_heads: int = 12
+    context_length: int = 77
+    vocab_size: int = 49408
+    text_width: int = 512
+    text_layers: int = 12
+    text_heads: int = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# CLIP
+# ---------------------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Multi-head attention with OpenAI's parameter names (in_proj_*, out_proj) on top of SDPA.
+
+    Self-attention when `memory` is None, else cross-attention to `memory`. `cache` (a dict) keeps
+    the keys/values of earlier decoding steps, so greedy decoding feeds one new token per step.
+    """
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
+        self.out_proj = nn.Linear(width, width)
+        self.keep_map = False  # set True to keep the attention weights in `self.map` (for figures)
+        self.map = None
+
+    def forward(self, x, memory=None, causal=False, cache=None):
+        if memory is None:
+            q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+        else:
+            w_q, w_kv = self.in_proj_weight.split([x.shape[-1], 2 * x.shape[-1]])
+            b_q, b_kv = self.in_proj_bias.split([x.shape[-1], 2 * x.shape[-1]])
+            q = F.linear(x, w_q, b_q)
+            if cache is not None and "k" in cache:  # the memory's keys/values never change
+                k, v = cache["k"], cache["v"]
+            else:
+                k, v = F.linear(memory, w_kv, b_kv).chunk(2, dim=-1)
+        if memory is None and cache is not None and "k" in cache:
+            k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
+        if cache is not None:
+            cache["k"], cache["v"] = k, v
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
+        # With a cache, the single new query may look at every cached key: no mask needed.
+        causal = causal and q.shape[2] > 1
+        if self.keep_map:
+            self.map = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1).detach()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return self.out_proj(out.transpose(1, 2).flatten(2))
+
+
+class QuickGELU(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)  # the GELU approximation CLIP was trained with
+
+
+class ResidualAttentionBlock(nn.Module):
+    def __init__(self, width, heads, causal=False):
+        super().__init__()
+        self.causal = causal
+        self.attn = Attention(width, heads)
+        self.ln_1 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential()
+        self.mlp.add_module("c_fc", nn.Linear(width, 4 * width))
+        self.mlp.add_module("gelu", QuickGELU())
+        self.mlp.add_module("c_proj", nn.Linear(4 * width, width))
+        self.ln_2 = nn.LayerNorm(width)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x), causal=self.causal)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, width, layers, heads, causal=False):
+        super().__init__()
+        self.resblocks = nn.Sequential(*[ResidualAttentionBlock(width, heads, causal) for _ in range(layers)])
+
+    def forward(self, x):
+        return self.resblocks(x)
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, c: CLIPConfig):
+        super().__init__()
+        scale = c.vision_width ** -0.5
+        n_patches = (c.image_size // c.patch_size) ** 2
+        self.conv1 = nn.Conv2d(3, c.vision_width, c.patch_size, stride=c.patch_size, bias=False)
+        self.class_embedding = nn.Parameter(scale * torch.randn(c.vision_width))
+        self.positional_embedding = nn.Parameter(scale * torch.randn(n_patches + 1, c.vision_width))
+        self.ln_pre = nn.LayerNorm(c.vision_width)
+        self.transformer = Transformer(c.vision_width, c.vision_layers, c.vision_heads)
+        self.ln_post = nn.LayerNorm(c.vision_width)
+        self.proj = nn.Parameter(scale * torch.randn(c.vision_width, c.embed_dim))
+
+    def embed(self, images):
+        """Patchify, prepend the class token, add positions (Eq. 2-3): [B, n+1, width]."""
+        x = self.conv1(images).flatten(2).transpose(1, 2)
+        cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
+        return self.ln_pre(torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype))
+
+    def forward(self, images):
+        x = self.transformer(self.embed(images))
+        return self.ln_post(x[:, 0]) @ self.proj
+
+
+class CLIP(nn.Module):
+    def __init__(self, config: CLIPConfig):
+        super().__init__()
+        c = self.config = config
+        self.visual = VisionTransformer(c)
+        self.token_embedding = nn.Embedding(c.vocab_size, c.text_width)
+        self.positional_embedding = nn.Parameter(torch.empty(c.context_length, c.text_width))
+        self.transformer = Transformer(c.text_width, c.text_layers, c.text_heads, causal=True)
+        self.ln_final = nn.LayerNorm(c.text_width)
+        self.text_projection = nn.Parameter(torch.empty(c.text_width, c.embed_dim))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.initialize_parameters()
+
+    def initialize_parameters(self):
+        """OpenAI's initialisation, applied to both towers (it matters only for training from scratch)."""
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.positional_embedding, std=0.01)
+        nn.init.normal_(self.text_projection, std=self.config.text_width ** -0.5)
+        for tower in (self.visual.transformer, self.transformer):
+            width = tower.resblocks[0].ln_1.normalized_shape[0]
+            proj_std = width ** -0.5 * (2 * len(tower.resblocks)) ** -0.5
+            for block in tower.resblocks:
+                nn.init.normal_(block.attn.in_proj_weight, std=width ** -0.5)
+                nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+                nn.init.normal_(block.mlp.c_fc.weight, std=(2 * width) ** -0.5)
+                nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+
+    def encode_image(self, images):
+        return self.visual(images)
+
+    def encode_text(self, tokens):
+        """Tokens [B, L] with L <= context_length; the EOT token (the largest id) pools the sentence."""
+        x = self.token_embedding(tokens) + self.positional_embedding[:tokens.shape[1]]
+        x = self.ln_final(self.transformer(x))
+        return x[torch.arange(x.shape[0]), tokens.argmax(dim=-1)] @ self.text_projection
+
+    def forward(self, images, tokens):
+        image_features = F.normalize(self.encode_image(images), dim=-1)
+        text_features = F.normalize(self.encode_text(tokens), dim=-1)
+        logits_per_image = self.logit_scale.exp() * image_features @ text_features.t()
+        return logits_per_image, logits_per_image.t()
+
+
+# ---------------------------------------------------------------------------------------------
+# CLIP4IDC: the pair encoder (section 2.2) and the IP-T / T-IP adaptation loss (section 2.3)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class CLIP4IDCConfig:
+    clip: CLIPConfig = field(default_factory=CLIPConfig)
+    n_intra: int = 9  # N_intra: layers that see one image; the other N_inter see the pair (Table 7)
+    context_length: int = 32  # caption length in tokens, SOT and EOT included (Appendix B)
+
+    @property
+    def n_inter(self):
+        return self.clip.vision_layers - self.n_intra
+
+
+class CLIP4IDC(nn.Module):
+    def __init__(self, config: CLIP4IDCConfig, clip: CLIP = None):
+        super().__init__()
+        if not 0 <= config.n_intra <= config.clip.vision_layers:
+            raise ValueError(f"n_intra={config.n_intra} must lie in 0..{config.clip.vision_layers} (the vision layers)")
+        if config.context_length > config.clip.context_length:
+            raise ValueError(f"context_length={config.context_length} exceeds CLIP's {config.clip.context_length}")
+        self.config = config
+        self.clip = clip if clip is not None else CLIP(config.clip)
+        width, scale = config.clip.vision_width, config.clip.vision_width ** -0.5
+        n_tokens = self.clip.visual.positional_embedding.shape[0]  # n + 1
+        self.e1 = nn.Parameter(scale * torch.randn(width))  # marks the first image (Eq. 4)
+        self.e2 = nn.Parameter(scale * torch.randn(width))  # marks the second image
+        self.pair_pos = nn.Parameter(scale * torch.randn(2 * n_tokens, width))  # p in Eq. 4
+        self.ln_inter = nn.LayerNorm(width)
+
+    def new_parameter_names(self):
+        """Parameters that CLIP does not have: they train at the higher learning rate."""
+        return {name for name, _ in self.named_parameters() if not name.startswith("clip.")}
+
+    def encode_pair(self, before, after):
+        """F'(X1, X2) of Eq. 4: the projected outputs of all 2(n+1) tokens, [B, 2(n+1), embed_dim]."""
+        visual, n_intra = self.clip.visual, self.config.n_intra
+        blocks = visual.transformer.resblocks
+        x = visual.embed(torch.cat([before, after]))  # both images share the intra layers: one batch
+        for block in blocks[:n_intra]:
+            x = block(x)
+        x1, x2 = x.chunk(2)
+        x = torch.cat([x1 + self.e1, x2 + self.e2], dim=1) + self.pair_pos
+        x = self.ln_inter(x)
+        for block in blocks[n_intra:]:
+            x = block(x)
+        return visual.ln_post(x) @ visual.proj
+
+    @staticmethod
+    def pool(tokens):
+        """Eq. 5: v is the mean of the two class tokens' outputs (positions 1 and n+2)."""
+        return (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2
+
+    def encode_text(self, tokens):
+        """g in Eq. 1: CLIP's text encoder, read at the EOT token."""
+        return self.clip.encode_text(tokens)
+
+    def forward(self, before, after, tokens):
+        """The adaptation loss L of Eq. 8 for a batch of B aligned (pair, caption) samples."""
+        v = self.pool(self.encode_pair(before, after))
+        g = self.encode_text(tokens)
+        return contrastive_loss(v, g, self.clip.logit_scale)
+
+
+def contrastive_loss(v, g, logit_scale):
+    """Eq. 6-8: cross-entropy over the B x B cosine similarities s(v, g) / tau, both directions."""
+    logits = logit_scale.exp() * F.normalize(v, dim=-1) @ F.normalize(g, dim=-1).t()
+    labels = torch.arange(len(logits), device=logits.device)
+    loss_i2t = F.cross_entropy(logits, labels)  # IP-T, Eq. 6
+    loss_t2i = F.cross_entropy(logits.t(), labels)  # T-IP, Eq. 7
+    return loss_i2t + loss_t2i
+
+
+# ---------------------------------------------------------------------------------------------
+# Captioner: a Transformer encoder-decoder on the pair encoder's tokens (section 2.4)
+# ---------------------------------------------------------------------------------------------
+SOT, EOT = 49406, 49407  # CLIP's start- and end-of-text token ids
+
+
+@dataclass
+class CaptionerConfig:  # Appendix B: 3 + 3 layers, 8 heads, hidden 512 (= CLIP's embed_dim), dropout 0.1
+    layers: int = 3
+    heads: int = 8
+    ffn: int = 2048
+    dropout: float = 0.1
+    max_len: int = 32
+
+
+def feed_forward(width, ffn):
+    return nn.Sequential(nn.Linear(width, ffn), nn.GELU(), nn.Linear(ffn, width))
+
+
+class EncoderLayer(nn.Module):
+    """A post-LN Transformer layer, as in the BERT-style captioner of the authors' code."""
+
+    def __init__(self, width, c: CaptionerConfig):
+        super().__init__()
+        self.attn, self.ln_1 = Attention(width, c.heads), nn.LayerNorm(width)
+        self.mlp, self.ln_2 = feed_forward(width, c.ffn), nn.LayerNorm(width)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x):
+        x = self.ln_1(x + self.drop(self.attn(x)))
+        return self.ln_2(x + self.drop(self.mlp(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, width, c: CaptionerConfig):
+        super().__init__()
+        self.self_attn, self.ln_1 = Attention(width, c.heads), nn.LayerNorm(width)
+        self.cross_attn, self.ln_2 = Attention(width, c.heads), nn.LayerNorm(width)
+        self.mlp, self.ln_3 = feed_forward(width, c.ffn), nn.LayerNorm(width)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, y, memory, cache=None):
+        self_cache, cross_cache = (cache["self"], cache["cross"]) if cache is not None else (None, None)
+        y = self.ln_1(y + self.drop(self.self_attn(y, causal=True, cache=self_cache)))
+        y = self.ln_2(y + self.drop(self.cross_attn(y, memory=memory, cache=cross_cache)))
+        return self.ln_3(y + self.drop(self.mlp(y)))
+
+
+class Captioner(nn.Module):
+    def __init__(self, encoder: CLIP4IDC, config: CaptionerConfig = None):
+        super().__init__()
+        c = self.config = config or CaptionerConfig()
+        clip_config = encoder.config.clip
+        if clip_config.text_width != clip_config.embed_dim:
+            raise ValueError("the captioner reads projected visual tokens with CLIP's word embeddings: "
+                             f"text_width ({clip_config.text_width}) must equal embed_dim ({clip_config.embed_dim})")
+        if c.max_len > encoder.config.context_length:
+            raise ValueError(f"max_len={c.max_len} exceeds the text positions ({encoder.config.context_length})")
+        width = clip_config.embed_dim
+        self.encoder = encoder  # the (adapted) pair encoder; its text tower lends the word embeddings
+        for p in encoder.clip.transformer.parameters():
+            p.requires_grad_(False)  # CLIP's text transformer plays no part in captioning
+        self.ln_embed, self.drop = nn.LayerNorm(width), nn.Dropout(c.dropout)
+        self.enc_layers = nn.ModuleList([EncoderLayer(width, c) for _ in range(c.layers)])
+        self.dec_layers = nn.ModuleList([DecoderLayer(width, c) for _ in range(c.layers)])
+        for layer in [*self.enc_layers, *self.dec_layers]:
+            for attn in (m for m in layer.modules() if isinstance(m, Attention)):
+                nn.init.xavier_uniform_(attn.in_proj_weight)
+
+    def new_parameter_names(self):
+        """The captioning model proper, learned from scratch at the higher rate (Appendix B)."""
+        return {name for name, _ in self.named_parameters() if not name.startswith("encoder.")}
+
+    def visual_memory(self, before, after):
+        """The captioning encoder's per-layer outputs: decoder layer i attends to encoder layer i."""
+        x, memories = self.encoder.encode_pair(before, after), []
+        for layer in self.enc_layers:
+            x = layer(x)
+            memories.append(x)
+        return memories
+
+    def decode(self, ids, memories, caches=None, start=0):
+        """Decoder states for `ids` sitting at text positions start, start+1, ..."""
+        clip = self.encoder.clip
+        y = clip.token_embedding(ids) + clip.positional_embedding[start:start + ids.shape[1]]
+        y = self.drop(self.ln_embed(y))
+        for i, layer in enumerate(self.dec_layers):
+            y = layer(y, memories[i], caches[i] if caches is not None else None)
+        return y
+
+    def logits(self, y):
+        return y @ self.encoder.clip.token_embedding.weight.t()  # output layer tied to the word embeddings
+
+    def forward(self, before, after, ids):
+        """Teacher forcing: logits at position t predict ids[:, t + 1]."""
+        return self.logits(self.decode(ids[:, :-1], self.visual_memory(before, after)))
+
+    @torch.no_grad()
+    def generate(self, before, after, max_len=None, use_cache=True):
+        """Greedy decoding: [B, <= max_len] ids starting with SOT, each row zero-padded after its EOT."""
+        max_len = max_len or self.config.max_len
+        memories = self.visual_memory(before, after)
+        ids = torch.full((before.shape[0], 1), SOT, dtype=torch.long, device=before.device)
+        caches = [{"self": {}, "cross": {}} for _ in self.dec_layers] if use_cache else None
+        done = torch.zeros(before.shape[0], dtype=torch.bool, device=before.device)
+        for step in range(max_len - 1):
+            if use_cache:
+                y = self.decode(ids[:, -1:], memories, caches, start=step)
+            else:
+                y = self.decode(ids, memories)
+            token = self.logits(y[:, -1]).argmax(dim=-1).masked_fill(done, 0)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            done |= token == EOT
+            if done.all():
+                break
+        return ids

@@ -1,0 +1,69 @@
+import torch
+
+from caption import caption_loss, ids_to_text
+from model import EOT, SOT, Captioner, CaptionerConfig
+from tiny import tiny_pair_encoder
+
+import data
+
+
+def tiny_captioner(max_len=12):
+    torch.manual_seed(0)
+    return Captioner(tiny_pair_encoder(), CaptionerConfig(layers=2, heads=4, ffn=64, max_len=max_len)).eval()
+
+
+def test_decoder_gives_next_token_logits_for_every_position():
+    model = tiny_captioner()
+    before, after = torch.randn(2, 3, 3, 32, 32)
+    ids = torch.randint(0, 49408, (3, 12))
+    assert model(before, after, ids).shape == (3, 11, 49408)
+    assert len(model.visual_memory(before, after)) == 2  # one memory per encoder layer, read by decoder layer i
+
+
+def test_decoder_is_causal():
+    model = tiny_captioner()
+    before, after = torch.randn(2, 2, 3, 32, 32)
+    ids = torch.randint(0, 49408, (2, 12))
+    changed = ids.clone()
+    changed[:, 7:] = torch.randint(0, 49408, (2, 5))
+    a, b = model(before, after, ids), model(before, after, changed)
+    torch.testing.assert_close(a[:, :6], b[:, :6])
+    assert (a[:, 6:] - b[:, 6:]).abs().max() > 1e-3
+
+
+def test_cached_and_uncached_greedy_decoding_agree():
+    model = tiny_captioner(max_len=12)
+    before, after = torch.randn(2, 4, 3, 32, 32)
+    cached, uncached = model.generate(before, after, use_cache=True), model.generate(before, after, use_cache=False)
+    assert torch.equal(cached, uncached)
+    assert cached.shape[1] <= 12 and (cached[:, 0] == SOT).all()
+    memories = model.visual_memory(before, after)
+    caches = [{"self": {}, "cross": {}} for _ in model.dec_layers]
+    step_by_step = torch.cat([model.decode(cached[:, i:i + 1], memories, caches, start=i) for i in range(cached.shape[1])], 1)
+    torch.testing.assert_close(step_by_step, model.decode(cached, memories), rtol=1e-5, atol=1e-5)
+
+
+def test_generation_stops_each_row_at_eot():
+    model = tiny_captioner(max_len=10)
+    last = model.dec_layers[-1].ln_3
+    with torch.no_grad():  # every decoder state becomes all ones, whose best next token is EOT
+        last.weight.zero_()
+        last.bias.fill_(1.0)
+        model.encoder.clip.token_embedding.weight[EOT] = 10.0
+    ids = model.generate(*torch.randn(2, 2, 3, 32, 32))
+    assert ids.tolist() == [[SOT, EOT], [SOT, EOT]]
+
+
+def test_caption_loss_ignores_padding_after_eot():
+    ids = torch.tensor([[SOT, 320, 1125, EOT, 0, 0]])
+    logits = torch.randn(1, 5, 49408)
+    loss = caption_loss(logits, ids)
+    expected = torch.nn.functional.cross_entropy(logits[0, :3], ids[0, 1:4])
+    torch.testing.assert_close(loss, expected)
+    logits[0, 3:] = torch.randn(2, 49408)
+    torch.testing.assert_close(caption_loss(logits, ids), expected)
+
+
+def test_generated_ids_decode_to_the_caption_text():
+    ids = data.tokenize(["the big cube has moved", "nothing has changed"], 12)
+    assert ids_to_text(ids) == ["the big cube has moved", "nothing has changed"]

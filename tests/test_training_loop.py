@@ -1,0 +1,124 @@
+import random
+
+import pytest
+import torch
+
+import adapt
+from adapt import AdaptConfig, fit, save_atomic
+from caption import caption_loss
+from model import Captioner, CaptionerConfig
+from tiny import tiny_pair_encoder
+
+
+class ToyPairs(torch.utils.data.Dataset):
+    """Random pairs and captions, keyed like the real datasets by (epoch, index)."""
+
+    def __init__(self, n=26):
+        g = torch.Generator().manual_seed(0)
+        self.images = torch.randn(n, 2, 3, 32, 32, generator=g)
+        self.tokens = torch.randint(1, 1000, (n, 12), generator=g)
+        self.tokens[:, 8], self.tokens[:, 9:] = 49407, 0
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, key):
+        epoch, i = key
+        swap = random.Random(f"{epoch}-{i}").random() < 0.5  # per-sample randomness from the key alone
+        before, after = self.images[i] if not swap else self.images[i].flip(0)
+        return before, after, self.tokens[i]
+
+
+def config(tmp_path, **kw):
+    defaults = dict(epochs=2, batch_size=4, workers=0, save_every=4, log_every=100, lr=1e-3, lr_clip=1e-3)
+    return AdaptConfig(out_dir=str(tmp_path), device="cpu", **{**defaults, **kw})
+
+
+def adapt_run(cfg, fail_at=None):
+    torch.manual_seed(0)
+    model = tiny_pair_encoder()
+    calls = []
+
+    def loss_fn(batch):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt("killed")
+        return model(*batch)
+
+    fit(cfg, model, loss_fn, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
+    return model
+
+
+def caption_run(cfg, fail_at=None):
+    torch.manual_seed(0)
+    model = Captioner(tiny_pair_encoder(), CaptionerConfig(layers=1, heads=4, ffn=64, max_len=12))
+    calls = []
+
+    def loss_fn(batch):  # dropout is on: the resumed run must restore the RNG too
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt("killed")
+        before, after, ids = batch
+        return caption_loss(model(before, after, ids), ids)
+
+    fit(cfg, model, loss_fn, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "linear")
+    return model
+
+
+@pytest.mark.parametrize("run,workers", [(adapt_run, 0), (adapt_run, 1), (caption_run, 0)])
+def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, run, workers):
+    whole = run(config(tmp_path / "whole", workers=workers))
+    with pytest.raises(KeyboardInterrupt):
+        run(config(tmp_path / "killed", workers=workers), fail_at=11)  # last.pt holds step 8, mid-epoch 2
+    assert torch.load(tmp_path / "killed" / "last.pt", weights_only=False)["state"]["step"] == 8
+    resumed = run(config(tmp_path / "killed", workers=workers, resume=True))
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_best_checkpoint_follows_the_validation_score_and_patience_stops_early(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_pair_encoder()
+    scores = iter([1.0, 3.0, 2.0, 2.5, 0.0])
+    cfg = config(tmp_path, epochs=5)
+    state = fit(cfg, model, lambda b: model(*b), ToyPairs(), lambda: (next(scores), {}),
+                model.new_parameter_names(), "cosine", patience=2)
+    assert state["best_epoch"] == 2 and state["best"] == 3.0
+    assert [h["epoch"] for h in state["history"]] == [1, 2, 3, 4]  # stopped: 2 epochs without improvement
+    assert (tmp_path / "best.pt").exists()
+
+
+def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    save_atomic({"step": 1}, path)
+
+    def broken_save(obj, f):
+        open(f, "wb").write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(adapt.torch, "save", broken_save)
+    with pytest.raises(OSError):
+        save_atomic({"step": 2}, path)
+    assert torch.load(path)["step"] == 1
+
+
+def test_schedule_warms_up_then_decays_to_zero():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = adapt.make_schedule(opt, total_steps=100, warmup=0.1, decay="cosine")
+    lrs = []
+    for _ in range(100):
+        lrs.append(schedule.get_last_lr()[0])
+        opt.step()
+        schedule.step()
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[10] > lrs[50] > lrs[99] and lrs[99] < 1e-3
+
+
+def test_weight_decay_applies_to_matrices_only():
+    model = tiny_pair_encoder()
+    opt = adapt.make_optimizer(model, model.new_parameter_names(), AdaptConfig(lr=1e-4, lr_clip=1e-7, weight_decay=0.2))
+    for group in opt.param_groups:
+        assert all((p.ndim >= 2) == (group["weight_decay"] == 0.2) for p in group["params"])
+    new = {id(p) for n, p in model.named_parameters() if n in model.new_parameter_names()}
+    for group in opt.param_groups:
+        assert all((id(p) in new) == (group["lr"] == 1e-4) for p in group["params"])
