@@ -9,6 +9,7 @@ encoder-decoder learns the captions with word-level cross-entropy. The best epoc
 scored once on test, next to a blind baseline that writes the most frequent training caption.
 """
 import json
+import logging
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     patience: int = 10  # early stopping on val CIDEr, in epochs
     seed: int = 42
     max_steps: int = 0
+    cache: bool = False  # keep all images resized in one file (data.ImageCache): for small datasets
     amp: str = "auto"
     compile: bool = False
     device: str = "auto"
@@ -57,7 +59,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
 
 
 # The offline default: a small captioner, and a pair encoder that was itself trained from scratch.
-SYNTH_DEFAULTS = dict(heads=4, ffn=512, epochs=8, batch_size=32, lr=5e-4, lr_clip=1e-4, patience=0, workers=1)
+SYNTH_DEFAULTS = dict(heads=4, ffn=512, epochs=8, batch_size=32, lr=5e-4, lr_clip=1e-4, patience=0, workers=1, cache=True)
 
 
 def caption_loss(logits, ids):
@@ -100,26 +102,16 @@ def ids_to_text(ids):
 
 
 @torch.no_grad()
-def predict(captioner, items, cfg, device):
+def predict(captioner, items, cfg, device, cache=None):
     """Greedy captions for every evaluation item: {item id: caption}."""
     captioner.eval()
     size = captioner.encoder.config.clip.image_size
-    loader = make_loader(data.EvalDataset(items, size), cfg, device, batch_size=64)
+    loader = make_loader(data.EvalDataset(items, size, cache), cfg, device, batch_size=64)
     preds = {}
     for index, before, after in loader:
         texts = ids_to_text(captioner.generate(before.to(device), after.to(device), cfg.max_len))
         preds.update((items[i].id, text) for i, text in zip(index.tolist(), texts))
     return preds
-
-
-def score(items, preds):
-    """The paper's caption metrics, plus the per-type CIDEr on CLEVR-Change layouts (Table 2)."""
-    refs = {item.id: item.captions for item in items}
-    metrics = evaluate.caption_metrics(refs, preds)
-    types = {item.id: item.change_type for item in items if item.change_type}
-    if types:
-        metrics["per_type"] = evaluate.per_type_cider(refs, preds, types)
-    return metrics
 
 
 def blind_baseline(train_pairs, items):
@@ -130,15 +122,16 @@ def blind_baseline(train_pairs, items):
 
 
 def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = parse_config(CaptionConfig, SYNTH_DEFAULTS, "caption", argv)
     print(f"config: {asdict(cfg)}")
     seed_everything(cfg.seed)
-    splits = prepare_data(cfg)
     device, _, _ = setup_device(cfg)
     captioner = build_captioner(cfg, device)
     print(f"captioner: {sum(p.numel() for p in captioner.parameters()) / 1e6:.2f}M parameters")
     image_size, context = captioner.encoder.config.clip.image_size, captioner.encoder.config.context_length
-    train_set = data.CaptionDataset(splits["train"], image_size, context, cfg.seed)
+    splits, cache = prepare_data(cfg, image_size)
+    train_set = data.CaptionDataset(splits["train"], image_size, context, cfg.seed, cache)
     val_items, test_items = data.eval_items(splits["val"]), data.eval_items(splits["test"])
     train_model = torch.compile(captioner) if cfg.compile else captioner
 
@@ -147,17 +140,17 @@ def main(argv=None):
         return caption_loss(train_model(before, after, ids), ids)
 
     def validate():
-        preds = predict(captioner, val_items, cfg, device)
+        preds = predict(captioner, val_items, cfg, device, cache)
         cider = evaluate.caption_metrics({i.id: i.captions for i in val_items}, preds, only=("CIDEr",))["CIDEr"]
         return cider, {"CIDEr": cider}
 
     fit(cfg, captioner, loss_fn, train_set, validate, captioner.new_parameter_names(), "linear", patience=cfg.patience)
     out = Path(cfg.out_dir)
     captioner.load_state_dict(torch.load(out / "best.pt", map_location=device, weights_only=True)["model"])
-    preds = predict(captioner, test_items, cfg, device)
+    preds = predict(captioner, test_items, cfg, device, cache)
     evaluate.write_predictions(out / "test_predictions.json", preds)
-    results = {"test": score(test_items, preds),
-               "blind_baseline": {"test": score(test_items, blind_baseline(splits["train"], test_items))}}
+    results = {"test": evaluate.score_items(test_items, preds),
+               "blind_baseline": {"test": evaluate.score_items(test_items, blind_baseline(splits["train"], test_items))}}
     with open(out / "metrics.json", "w") as f:
         json.dump(results, f, indent=2)
     print("test split, this model:")

@@ -1,18 +1,31 @@
-"""Data for CLIP4IDC: CLIP's BPE tokenizer, the three benchmark readers, and a synthetic CLEVR-Change.
+"""Data for CLIP4IDC: CLIP's BPE tokenizer, readers for the three benchmarks, CLIP4IDC's preprocessing,
+the datasets of both stages, and a synthetic CLEVR-Change for offline runs.
 
-    python data.py synth --out data/synth --pairs 2000 --seed 0   # write the offline dataset
+    python data.py synth --out data/synth --pairs 2400 --seed 0   # write the offline dataset
+    python data.py bench --root data/synth                        # pairs/s one loader worker delivers
 
 The tokenizer is OpenAI's byte-level BPE, rewritten here; `tokenize` matches `clip.tokenize`.
 """
+import argparse
 import functools
 import gzip
 import hashlib
 import html
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ftfy
+import numpy as np
 import regex as re
 import torch
+from PIL import Image, ImageDraw
 
 # ---------------------------------------------------------------------------------------------
 # CLIP's byte-level BPE tokenizer
@@ -114,3 +127,475 @@ def tokenize(texts, context_length=77):
         ids = [SOT] + tok.encode(text)[:context_length - 2] + [EOT]
         out[row, :len(ids)] = torch.tensor(ids)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The three benchmarks, read in the layouts their authors publish
+# ---------------------------------------------------------------------------------------------
+log = logging.getLogger("data")
+SOURCES = {  # name, expected layout, where it is published
+    "clevr": ("CLEVR-Change", "images/CLEVR_default_%06d.png, sc_images/CLEVR_semantic_%06d.png, "
+              "nsc_images/CLEVR_nonsemantic_%06d.png, change_captions.json, no_change_captions.json, "
+              "splits.json, type_mapping.json", "https://github.com/Seth-Park/RobustChangeCaptioning"),
+    "spot": ("Spot-the-Diff", "{train,val,test}.json (or annotations/{split}.json) of {img_id, sentences}, "
+             "resized_images/ (or images/) holding <img_id>.png and <img_id>_2.png",
+             "https://github.com/harsh19/spot-the-diff"),
+    "ier": ("Image-Editing-Request", "{train,valid,test}.json (or dataset/adobe/{split}.json) of "
+            "{img0, img1, sents, uid}, images/ holding the files they name",
+            "https://github.com/airsplay/VisualRelationships"),
+}
+
+
+@dataclass
+class Pair:
+    id: str
+    before: Path
+    after: Path
+    captions: list[str]
+    change_type: str | None = None  # a CLEVR-Change type_mapping key, "distractor", or None
+    distractor: Path | None = None  # the before scene under another viewpoint / light only (CLEVR-Change)
+    distractor_captions: list[str] = field(default_factory=list)
+
+
+def missing(dataset, path, what="not found"):
+    name, layout, url = SOURCES[dataset]
+    return FileNotFoundError(f"{path}: {what}; expected {name}'s layout ({layout}), published at {url}")
+
+
+def read_json(path, dataset):
+    if not path.is_file():
+        raise missing(dataset, path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        where = f"line {e.lineno} column {e.colno} (char {e.pos})"
+        raise ValueError(f"{path}: malformed JSON at {where}: {e.msg}") from None
+
+
+def read_entries(dataset, candidates, keys):
+    """The list of annotation objects in the first existing candidate file, each checked for `keys`."""
+    path = next((p for p in candidates if p.is_file()), candidates[0])
+    entries = read_json(path, dataset)
+    for n, entry in enumerate(entries if isinstance(entries, list) else [None]):
+        if not (isinstance(entry, dict) and all(k in entry for k in keys)):
+            raise ValueError(f"{path}: entry {n} is not an object with keys {', '.join(keys)}")
+    return entries
+
+
+def read_clevr(root, split):
+    splits = read_json(root / "splits.json", "clevr")
+    if split not in splits:
+        raise ValueError(f"{root / 'splits.json'}: no split {split!r} (it has {', '.join(splits)})")
+    change = read_json(root / "change_captions.json", "clevr")
+    no_change = read_json(root / "no_change_captions.json", "clevr")
+    type_of = {name: kind for kind, names in read_json(root / "type_mapping.json", "clevr").items() for name in names}
+    pairs, uncaptioned = [], []
+    for i in splits[split]:
+        default = f"CLEVR_default_{i:06d}.png"
+        if not (change.get(default) and no_change.get(default)):
+            uncaptioned.append(i)
+            continue
+        pairs.append(Pair(f"{i:06d}.png", root / "images" / default, root / "sc_images" / f"CLEVR_semantic_{i:06d}.png",
+                          change[default], type_of.get(f"{i:06d}.png"),
+                          root / "nsc_images" / f"CLEVR_nonsemantic_{i:06d}.png", no_change[default]))
+    if uncaptioned:  # the published data has a few such ids; the reference loaders cannot use them either
+        log.warning("%s %s: skipped %d of %d ids without change or no-change captions (first: %s)", root, split,
+                    len(uncaptioned), len(splits[split]), ", ".join(map(str, uncaptioned[:5])))
+    return pairs
+
+
+def read_spot(root, split):
+    entries = read_entries("spot", [root / f"{split}.json", root / "annotations" / f"{split}.json"],
+                           ("img_id", "sentences"))
+    images = root / "resized_images" if (root / "resized_images").is_dir() else root / "images"
+    sentences = {}  # one img_id may be annotated in several entries: merge them into one pair
+    for entry in entries:
+        sentences.setdefault(str(entry["img_id"]), []).extend(entry["sentences"])
+    return [Pair(f"{i}.png", images / f"{i}.png", images / f"{i}_2.png", sents) for i, sents in sentences.items()]
+
+
+def read_ier(root, split):
+    split = {"val": "valid"}.get(split, split)
+    entries = read_entries("ier", [root / f"{split}.json", root / "dataset" / "adobe" / f"{split}.json"],
+                           ("img0", "img1", "sents", "uid"))
+    return [Pair(e["uid"], root / "images" / e["img0"], root / "images" / e["img1"], e["sents"]) for e in entries]
+
+
+def read_split(dataset, root, split):
+    """The pairs of one split; "synth" is our CLEVR-Change look-alike and shares its reader."""
+    dataset = "clevr" if dataset == "synth" else dataset
+    if dataset not in SOURCES:
+        raise ValueError(f"unknown dataset {dataset!r}; expected one of clevr, spot, ier, synth")
+    root = Path(root)
+    if not root.is_dir():
+        raise missing(dataset, root, "no such folder")
+    pairs = {"clevr": read_clevr, "spot": read_spot, "ier": read_ier}[dataset](root, split)
+    lacking = [(p.id, q) for p in pairs for q in (p.before, p.after, p.distractor) if q and not q.is_file()]
+    if lacking:
+        ids = list(dict.fromkeys(i for i, _ in lacking))
+        raise missing(dataset, lacking[0][1], f"not found, and {len(ids)} of {len(pairs)} {split} pairs lack "
+                                              f"image files (ids {', '.join(ids[:5])}{', ...' * (len(ids) > 5)})")
+    return pairs
+
+
+def eval_items(pairs):
+    """Every change pair, and on CLEVR-Change each distractor as its own no-change pair "<id>_n"."""
+    items = []
+    for p in pairs:
+        items.append(p)
+        if p.distractor:
+            items.append(Pair(p.id + "_n", p.before, p.distractor, p.distractor_captions, "distractor"))
+    return items
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocessing as CLIP4IDC does it, and the datasets of the two stages
+# ---------------------------------------------------------------------------------------------
+MEAN = torch.tensor((0.48145466, 0.4578275, 0.40821073)).view(3, 1, 1)  # CLIP's pre-training statistics
+STD = torch.tensor((0.26862954, 0.26130258, 0.27577711)).view(3, 1, 1)
+
+
+def read_pixels(path, size):
+    """uint8 [3,size,size]: RGB (a gif's first frame), the whole image resized bicubic, no crop."""
+    try:
+        with Image.open(path) as image:
+            image = image.convert("RGB").resize((size, size), Image.BICUBIC)
+    except FileNotFoundError:
+        raise
+    except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for truncated or unrecognised files
+        raise ValueError(f"{path}: cannot read image ({e})") from None
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+
+
+def normalise(pixels):
+    return pixels.float().div(255).sub(MEAN).div(STD)
+
+
+def load_image(path, size):
+    return normalise(read_pixels(path, size))
+
+
+class ImageCache:
+    """The pairs' images resized once and kept as uint8 in the file `path`; called like `load_image`.
+
+    Decoding and resizing a 480x320 PNG costs ~20x more than normalising stored pixels (see `bench`):
+    on a small CPU the loader, not the model, would otherwise limit training.
+    """
+
+    def __init__(self, pairs, size, path):
+        path = Path(path)
+        paths = sorted({os.path.abspath(q) for p in pairs for q in (p.before, p.after, p.distractor) if q})
+        stored = torch.load(path) if path.is_file() else {}
+        if stored.get("paths") != paths or stored["pixels"].shape[-1] != size:
+            log.info("caching %d images at %d px in %s", len(paths), size, path)
+            stored = {"paths": paths, "pixels": torch.stack([read_pixels(q, size) for q in paths])}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(stored, f"{path}.tmp")
+            os.replace(f"{path}.tmp", path)  # a killed run leaves no half-written cache
+        self.size, self.pixels, self.index = size, stored["pixels"], {q: i for i, q in enumerate(paths)}
+
+    def __call__(self, path, size):
+        if size != self.size:
+            raise ValueError(f"this ImageCache holds {self.size} px images, not {size} px")
+        return normalise(self.pixels[self.index[os.path.abspath(path)]])
+
+
+def sample_rng(seed, epoch, index):
+    """Randomness fixed by (seed, epoch, index): samples do not depend on workers or order."""
+    return random.Random(f"{seed}:{epoch}:{index}")  # str seeds are hashed with SHA-512, not hash()
+
+
+class AdaptDataset(torch.utils.data.Dataset):
+    """Stage 1: one sample per (pair, caption); key (epoch, index) -> before, after, caption_ids [L].
+
+    On CLEVR-Change the before image is the distractor with probability 0.5 and the caption stays,
+    so the pair encoder learns to tell a scene change from a change of viewpoint or light.
+    """
+
+    def __init__(self, pairs, image_size, context_length=32, seed=42, cache=None):
+        self.pairs, self.size, self.context_length, self.seed = pairs, image_size, context_length, seed
+        self.samples = [(p, c) for p, pair in enumerate(pairs) for c in range(len(pair.captions))]
+        self.load = cache or load_image
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        p, c = self.samples[index]
+        pair = self.pairs[p]
+        swap = pair.distractor is not None and sample_rng(self.seed, epoch, index).random() < 0.5
+        before = self.load(pair.distractor if swap else pair.before, self.size)
+        return before, self.load(pair.after, self.size), tokenize(pair.captions[c], self.context_length)[0]
+
+
+class CaptionDataset(torch.utils.data.Dataset):
+    """Stage 2: one sample per pair; key (epoch, index) -> before [k,3,H,W], after [k,3,H,W], ids [k,L].
+
+    k = 2 where the pair has a distractor: the change pair with one of its captions, then before and
+    distractor with one no-change caption (as CLIP4IDC trains); else k = 1. Flatten k into the batch.
+    """
+
+    def __init__(self, pairs, image_size, context_length=32, seed=42, cache=None):
+        self.pairs, self.size, self.context_length, self.seed = pairs, image_size, context_length, seed
+        self.load = cache or load_image
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        pair, rng = self.pairs[index], sample_rng(self.seed, epoch, index)
+        afters, texts = [pair.after], [rng.choice(pair.captions)]
+        if pair.distractor:
+            afters.append(pair.distractor)
+            texts.append(rng.choice(pair.distractor_captions))
+        before = self.load(pair.before, self.size).repeat(len(afters), 1, 1, 1)
+        after = torch.stack([self.load(a, self.size) for a in afters])
+        return before, after, tokenize(texts, self.context_length)
+
+
+class EvalDataset(torch.utils.data.Dataset):
+    """Evaluation items (see `eval_items`) -> (index, before, after); the references are items[index].captions."""
+
+    def __init__(self, items, image_size, cache=None):
+        self.items, self.size, self.load = items, image_size, cache or load_image
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        item = self.items[index]
+        return index, self.load(item.before, self.size), self.load(item.after, self.size)
+
+
+# ---------------------------------------------------------------------------------------------
+# A synthetic CLEVR-Change, drawn with Pillow and written in CLEVR-Change's layout
+# ---------------------------------------------------------------------------------------------
+W, H, Y_FAR, Y_NEAR = 480, 320, 80, 290  # image size; ground rows of the farthest and nearest objects
+COLORS = {"gray": (87, 87, 87), "red": (173, 35, 35), "blue": (42, 75, 215), "green": (29, 105, 20),
+          "brown": (129, 74, 25), "purple": (129, 38, 192), "cyan": (41, 208, 208), "yellow": (255, 238, 51)}
+SHAPES, MATERIALS, SIZES = ("cube", "sphere", "cylinder"), ("rubber", "metal"), {"small": 18, "large": 30}
+CHANGES = ("color", "material", "add", "drop", "move")
+SAME_CAMERA = {"dx": 0.0, "dy": 0.0, "zoom": 1.0, "light": 1.0}
+WORDS = {"small": ("small", "tiny"), "large": ("large", "big"), "rubber": ("rubber", "matte"),
+         "metal": ("metal", "metallic", "shiny"), "sphere": ("sphere", "ball"), "cube": ("cube", "block"),
+         "cylinder": ("cylinder",)}
+BECAME = ("the {o} changed to {new}", "the {o} turned {new}", "the {o} became {new}", "the {o} is now {new}")
+TEMPLATES = {
+    "color": BECAME + ("the {o} was painted {new}",), "material": BECAME,
+    "add": ("a {o} has been added", "someone added a {o}", "a {o} appeared", "there is a new {o}",
+            "a {o} has appeared"),
+    "drop": ("the {o} has disappeared", "the {o} is missing", "the {o} is gone", "someone removed the {o}"),
+    "move": ("the {o} changed its location", "the {o} has been moved", "the {o} is in a different location",
+             "the {o} moved", "someone moved the {o}"),
+}
+NO_CHANGE = ("the scene remains the same", "nothing has changed", "no change was made", "the two scenes seem identical",
+             "there is no difference", "no change has occurred", "the scene is the same as before",
+             "nothing was modified")
+
+
+def radius(obj):
+    return SIZES[obj["size"]] * (0.9 + 0.25 * (obj["y"] - Y_FAR) / (Y_NEAR - Y_FAR))  # mild perspective
+
+
+def place(obj, others, rng, away_from=None):
+    """Put `obj` on a free spot of the floor (at least 80 px from `away_from`); False if none was found."""
+    for _ in range(200):
+        obj["x"], obj["y"] = round(rng.uniform(60, 420), 1), round(rng.uniform(Y_FAR, Y_NEAR), 1)
+        x, y, r = obj["x"], obj["y"] - radius(obj), radius(obj)  # the body's disc, centred a radius above the floor
+        free = all(np.hypot(x - o["x"], y - o["y"] + radius(o)) > r + radius(o) + 8 for o in others)
+        if free and (away_from is None or np.hypot(obj["x"] - away_from[0], obj["y"] - away_from[1]) > 80):
+            return True
+    return False
+
+
+def new_object(rng):
+    return {"shape": rng.choice(SHAPES), "color": rng.choice(list(COLORS)), "material": rng.choice(MATERIALS),
+            "size": rng.choice(list(SIZES))}
+
+
+def make_scene(rng):
+    objects = []
+    for _ in range(rng.randint(3, 6)):
+        objects.append(new_object(rng))
+        if not place(objects[-1], objects[:-1], rng):
+            return None
+    return objects
+
+
+def change_scene(objects, kind, rng):
+    """(after, the changed object before and after the change), or None where the change does not fit."""
+    after = [dict(o) for o in objects]
+    if kind == "add":
+        obj = new_object(rng)
+        return (after + [obj], None, obj) if place(obj, after, rng) else None
+    i = rng.randrange(len(after))
+    obj = after[i]
+    if kind == "drop":
+        return after[:i] + after[i + 1:], objects[i], None
+    if kind == "color":
+        obj["color"] = rng.choice([c for c in COLORS if c != obj["color"]])
+    elif kind == "material":
+        obj["material"] = "metal" if obj["material"] == "rubber" else "rubber"
+    elif not place(obj, after[:i] + after[i + 1:], rng, away_from=(obj["x"], obj["y"])):
+        return None
+    return after, objects[i], obj
+
+
+def project(obj, cam):
+    """Ground point and radius of `obj` in the image, after the camera's shift and zoom about the centre."""
+    zoom = cam["zoom"]
+    x, y = W / 2 + (obj["x"] - W / 2) * zoom + cam["dx"], H / 2 + (obj["y"] - H / 2) * zoom + cam["dy"]
+    return x, y, radius(obj) * zoom
+
+
+def draw_object(draw, obj, cam):
+    x, y, r = project(obj, cam)
+    lo, hi = (0.3, 1.6) if obj["material"] == "metal" else (0.55, 1.15)  # metal: harder light and dark
+
+    def tone(k, white=0.0):  # the object's colour under light k, mixed with a `white` share of specular light
+        return tuple(int(min(255, (c * k * (1 - white) + 255 * white) * cam["light"])) for c in COLORS[obj["color"]])
+
+    if obj["shape"] == "sphere":  # concentric discs drifting towards the light at the upper left
+        for t in np.linspace(0, 1, 9):
+            cx, cy, rr = x - 0.4 * r * t, y - r - 0.4 * r * t, r * (1 - 0.85 * t)
+            draw.ellipse([cx - rr, cy - rr, cx + rr, cy + rr], fill=tone(lo + (hi - lo) * t ** 1.5))
+    elif obj["shape"] == "cube":  # front, top and side faces in an oblique view
+        s, d = 1.45 * r, 0.4 * r
+        x0 = x - (s + d) / 2
+        draw.polygon([(x0, y), (x0 + s, y), (x0 + s, y - s), (x0, y - s)], fill=tone((lo + hi) / 2))
+        draw.polygon([(x0, y - s), (x0 + s, y - s), (x0 + s + d, y - s - d), (x0 + d, y - s - d)], fill=tone(hi))
+        draw.polygon([(x0 + s, y), (x0 + s + d, y - d), (x0 + s + d, y - s - d), (x0 + s, y - s)], fill=tone(lo))
+    else:  # cylinder: vertical strips, brightest towards the light, between a dark base and a lit top
+        rc, h, e = 0.85 * r, 1.5 * r, 0.3 * r
+        draw.ellipse([x - rc, y - e, x + rc, y + e], fill=tone(lo))
+        for j, t in enumerate(np.linspace(0, 1, 10)):
+            draw.rectangle([x - rc + 0.2 * rc * j, y - h, x - rc + 0.2 * rc * (j + 1), y],
+                           fill=tone(hi - (hi - lo) * abs(t - 0.3) / 0.7))
+        draw.ellipse([x - rc, y - h - e, x + rc, y - h + e], fill=tone(hi))
+    if obj["material"] == "metal":  # a specular highlight
+        hx, hy = (x - 0.45 * r, y - 1.45 * r) if obj["shape"] == "sphere" else (x - 0.35 * r, y - 1.6 * r)
+        draw.ellipse([hx - 0.2 * r, hy - 0.12 * r, hx + 0.2 * r, hy + 0.12 * r], fill=tone(1, white=0.85))
+
+
+def render(objects, cam=SAME_CAMERA):
+    floor = (np.linspace(178, 122, H) * cam["light"]).clip(0, 255).astype(np.uint8)
+    image = Image.fromarray(np.ascontiguousarray(np.broadcast_to(floor[:, None, None], (H, W, 3))))
+    draw = ImageDraw.Draw(image)
+    objects = sorted(objects, key=lambda o: o["y"])  # far to near, so nearer objects occlude
+    for x, y, r in (project(o, cam) for o in objects):  # contact shadows, cast away from the light
+        shadow = int(floor[min(int(y), H - 1)] * 0.7)
+        draw.ellipse([x - 0.8 * r, y - 0.35 * r, x + 1.4 * r, y + 0.35 * r], fill=(shadow,) * 3)
+    for o in objects:
+        draw_object(draw, o, cam)
+    return image
+
+
+def describe(obj, scene, rng):
+    """A noun phrase for `obj`, sometimes with a spatial relation to another object of `scene`."""
+    words = [rng.choice(WORDS[obj["size"]]), obj["color"]]
+    if rng.random() < 0.5:
+        words.append(rng.choice(WORDS[obj["material"]]))
+    words.append(rng.choice(WORDS[obj["shape"]]) if rng.random() < 0.8 else rng.choice(("thing", "object")))
+    others = [o for o in scene if (o["x"], o["y"]) != (obj["x"], obj["y"])]
+    if others and rng.random() < 0.3:
+        other = rng.choice(others)
+        dx, dy = obj["x"] - other["x"], obj["y"] - other["y"]
+        where = ("left of" if dx < 0 else "right of") if abs(dx) > abs(dy) else ("in front of" if dy > 0 else "behind")
+        words += ["that is", where, "the", describe(other, [], rng)]
+    return " ".join(words)
+
+
+def change_captions(kind, before, after, old, new, rng, n=5):
+    """`n` distinct references for one change, in the style of CLEVR-Change's templates."""
+    subject, scene = (new, after) if kind == "add" else (old, before)
+    captions = {}  # a dict keeps the drawing order, so the output is deterministic
+    while len(captions) < n:
+        value = new["color"] if kind == "color" else rng.choice(WORDS[new["material"]]) if kind == "material" else ""
+        captions[rng.choice(TEMPLATES[kind]).format(o=describe(subject, scene, rng), new=value)] = None
+    return list(captions)
+
+
+def synth_pair(i, seed):
+    """The scene graphs, change captions and no-change captions of pair `i`, fixed by (seed, i)."""
+    rng = random.Random(f"synth:{seed}:{i}")
+    kind, change = CHANGES[i % len(CHANGES)], None  # types cycle, so every split is balanced
+    while change is None:
+        before = make_scene(rng)
+        change = before and change_scene(before, kind, rng)
+    after, old, new = change
+    camera = {"dx": round(rng.uniform(-10, 10), 1), "dy": round(rng.uniform(-6, 6), 1),
+              "zoom": round(rng.uniform(0.94, 1.06), 3),
+              "light": round(1 + rng.choice((-1, 1)) * rng.uniform(0.08, 0.2), 3)}  # 8-20% darker or brighter
+    scene = {"change_type": kind, "before": before, "after": after, "distractor_camera": camera}
+    return scene, change_captions(kind, before, after, old, new, rng), rng.sample(NO_CHANGE, 5)
+
+
+def write_synth(out, n_pairs, seed):
+    """Write `n_pairs` pairs to `out` in CLEVR-Change's layout, plus scenes.json with the scene graphs drawn."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new folder for the synthetic dataset")
+    tmp = out.with_name(out.name + ".partial")  # renamed when complete: an interrupted run leaves no dataset
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
+    for folder in ("images", "sc_images", "nsc_images"):
+        (tmp / folder).mkdir(parents=True)
+    for i in range(n_pairs):
+        scene, captions, no_change = synth_pair(i, seed)
+        name = f"{i:06d}.png"
+        for folder, prefix, objects, camera in (("images", "default", scene["before"], SAME_CAMERA),
+                                                ("sc_images", "semantic", scene["after"], SAME_CAMERA),
+                                                ("nsc_images", "nonsemantic", scene["before"], scene["distractor_camera"])):
+            render(objects, camera).save(tmp / folder / f"CLEVR_{prefix}_{name}", compress_level=1)
+        files["change_captions"][f"CLEVR_default_{name}"] = captions
+        files["no_change_captions"][f"CLEVR_default_{name}"] = no_change
+        files["type_mapping"][scene["change_type"]].append(name)
+        files["scenes"][name] = scene
+    n_eval = min(200, n_pairs // 10)
+    n_train = n_pairs - 2 * n_eval
+    files["splits"] = {"train": list(range(n_train)), "val": list(range(n_train, n_train + n_eval)),
+                       "test": list(range(n_train + n_eval, n_pairs))}
+    for name, content in files.items():
+        (tmp / f"{name}.json").write_text(json.dumps(content))
+    tmp.rename(out)
+
+
+def ensure_synth(root, pairs=2400, seed=0):
+    """Generate the synthetic dataset at `root` unless it exists (2,400 pairs: train 2,000, val 200, test 200)."""
+    if not Path(root).exists():
+        log.warning("generating %d synthetic CLEVR-Change pairs in %s", pairs, root)
+        write_synth(root, pairs, seed)
+    return Path(root)
+
+
+def bench(root, dataset="clevr", sizes=(224, 128), n=300):
+    """Pairs per second one loader worker delivers (decode, resize, normalise both images), and from a cache."""
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    pairs = read_split(dataset, root, "train")[:n]
+    for size in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, load in (("decoding", load_image), ("ImageCache", ImageCache(pairs, size, Path(tmp) / "c"))):
+                start = time.perf_counter()
+                for p in pairs:
+                    load(p.before, size), load(p.after, size)
+                print(f"{size} px, {name}: {len(pairs) / (time.perf_counter() - start):.0f} pairs/s")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Write the synthetic CLEVR-Change, or time the image pipeline.")
+    parser.add_argument("command", choices=("synth", "bench"))
+    parser.add_argument("--out", help="synth: the folder to create")
+    parser.add_argument("--pairs", type=int, default=2400)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--root", help="bench: a dataset folder")
+    parser.add_argument("--data", default="clevr", choices=("clevr", "spot", "ier", "synth"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start = time.perf_counter()
+    if args.command == "synth":
+        write_synth(args.out, args.pairs, args.seed)
+        print(f"wrote {args.pairs} pairs to {args.out} in {time.perf_counter() - start:.0f} s")
+    else:
+        bench(args.root, args.data)

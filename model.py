@@ -344,11 +344,15 @@ class Captioner(nn.Module):
     @torch.no_grad()
     def generate(self, before, after, max_len=None, use_cache=True):
         """Greedy decoding: [B, <= max_len] ids starting with SOT, each row zero-padded after its EOT."""
-        max_len = max_len or self.config.max_len
-        memories = self.visual_memory(before, after)
-        ids = torch.full((before.shape[0], 1), SOT, dtype=torch.long, device=before.device)
+        return self.greedy(self.visual_memory(before, after), max_len, use_cache)
+
+    @torch.no_grad()
+    def greedy(self, memories, max_len=None, use_cache=True):
+        """The decoding loop of `generate`, given the captioning encoder's outputs."""
+        max_len, batch, device = max_len or self.config.max_len, memories[0].shape[0], memories[0].device
+        ids = torch.full((batch, 1), SOT, dtype=torch.long, device=device)
         caches = [{"self": {}, "cross": {}} for _ in self.dec_layers] if use_cache else None
-        done = torch.zeros(before.shape[0], dtype=torch.bool, device=before.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
         for step in range(max_len - 1):
             if use_cache:
                 y = self.decode(ids[:, -1:], memories, caches, start=step)

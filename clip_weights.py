@@ -1,0 +1,186 @@
+"""Load OpenAI's released CLIP ViT weights into model.CLIP (fp32, eval mode).
+
+    model = clip_weights.load("ViT-B/32")          # downloads once into ~/.cache/clip
+    model = clip_weights.load("path/to/ViT-B-32.pt")  # OpenAI's TorchScript archive, or a state dict
+
+Our parameter names are OpenAI's, so the key mapping is the identity; the architecture is read
+off the tensor shapes, which is why ViT-B/16 and ViT-L/14 load as well.
+"""
+import hashlib
+import os
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+import warnings
+import zipfile
+from pathlib import Path
+
+import torch
+
+from model import CLIP, CLIPConfig
+
+MODELS = {  # the SHA-256 of each file is the path component before its name
+    "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
+    "ViT-B/16": "https://openaipublic.azureedge.net/clip/models/5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f/ViT-B-16.pt",
+    "ViT-L/14": "https://openaipublic.azureedge.net/clip/models/b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt",
+    "ViT-L/14@336px": "https://openaipublic.azureedge.net/clip/models/3035c92b350959924f9f00213499208652fc7ea050643e8b385c2dac08641f02/ViT-L-14-336px.pt",
+}
+CACHE_DIR = Path("~/.cache/clip").expanduser()
+METADATA_KEYS = ("input_resolution", "context_length", "vocab_size")  # in OpenAI's files, not parameters
+CHUNK = 1 << 20
+
+
+def load(name_or_path, device="cpu", root=CACHE_DIR):
+    """A model.CLIP holding OpenAI's weights, from a release name or a local file."""
+    path = download(MODELS[name_or_path], root) if name_or_path in MODELS else Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (known names: {', '.join(MODELS)})")
+    sd = read_state_dict(path)
+    with torch.device("meta"):  # every tensor is overwritten below, so skip the random init
+        model = CLIP(config_from_state_dict(sd))
+    model.to_empty(device=device)
+    load_weights(model, sd)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# reading a checkpoint
+# ---------------------------------------------------------------------------------------------
+def read_state_dict(path):
+    """OpenAI key -> tensor, without the metadata keys.
+
+    A plain state dict is read with weights_only=True, so no arbitrary object is unpickled.
+    OpenAI's release is a TorchScript archive instead, which only torch.jit.load reads; it
+    restores TorchScript modules, not Python objects.
+    """
+    if is_torchscript(path):
+        with warnings.catch_warnings():  # torch.jit is deprecated, but OpenAI's files need it
+            warnings.simplefilter("ignore", FutureWarning)
+            sd = torch.jit.load(path, map_location="cpu").state_dict()
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(sd, dict):
+        raise ValueError(f"{path}: expected a state dict (OpenAI key names), got {type(sd).__name__}")
+    return {k: v for k, v in sd.items() if k not in METADATA_KEYS}
+
+
+def is_torchscript(path):
+    # torch.jit.save and torch.save both write zip files; only TorchScript stores constants.pkl.
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(name.endswith("/constants.pkl") for name in z.namelist())
+
+
+def config_from_state_dict(sd):
+    """The CLIPConfig of an OpenAI ViT checkpoint, read off its tensor shapes (as OpenAI's build_model does)."""
+    if "visual.proj" not in sd and any(k.startswith("visual.layer1.") for k in sd):
+        raise ValueError("this is a ResNet CLIP checkpoint (RN50, RN101, ...); only ViT checkpoints are supported")
+    required = ["visual.conv1.weight", "visual.positional_embedding", "visual.proj", "positional_embedding",
+                "token_embedding.weight", "ln_final.weight", "text_projection"]
+    missing = [k for k in required if k not in sd]
+    if missing:
+        raise ValueError(f"not a CLIP ViT checkpoint: missing keys {missing}")
+    vision_width, _, patch_size, _ = sd["visual.conv1.weight"].shape
+    grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
+    text_width = sd["ln_final.weight"].shape[0]
+    return CLIPConfig(
+        embed_dim=sd["text_projection"].shape[1],
+        image_size=patch_size * grid,
+        patch_size=patch_size,
+        vision_width=vision_width,
+        vision_layers=count_blocks(sd, "visual.transformer.resblocks."),
+        vision_heads=vision_width // 64,  # OpenAI's ViTs all use 64-dim heads
+        context_length=sd["positional_embedding"].shape[0],
+        vocab_size=sd["token_embedding.weight"].shape[0],
+        text_width=text_width,
+        text_layers=count_blocks(sd, "transformer.resblocks."),
+        text_heads=text_width // 64,
+    )
+
+
+def count_blocks(sd, prefix):
+    # The highest index, not the number of indices: a block missing in the middle is then
+    # reported as missing keys rather than shifting the last block into "unexpected".
+    indices = [int(k[len(prefix):].split(".")[0]) for k in sd if k.startswith(prefix)]
+    if not indices:
+        raise ValueError(f"not a CLIP ViT checkpoint: no keys start with {prefix!r}")
+    return 1 + max(indices)
+
+
+def load_weights(model, sd):
+    """Copy `sd` into `model` key by key; any missing, unexpected or mis-shaped key is an error."""
+    ours = model.state_dict()
+    missing = sorted(ours.keys() - sd.keys())
+    unexpected = sorted(sd.keys() - ours.keys())
+    misshaped = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(ours[k].shape)}"
+                 for k in ours.keys() & sd.keys() if sd[k].shape != ours[k].shape]
+    if missing or unexpected or misshaped:
+        raise ValueError("checkpoint does not match model.CLIP:\n"
+                         f"  missing keys: {missing}\n  unexpected keys: {unexpected}\n"
+                         f"  mis-shaped keys: {sorted(misshaped)}")
+    with torch.no_grad():
+        for k, v in sd.items():
+            ours[k].copy_(v)  # the release stores most weights in fp16; copy_ casts to our fp32
+
+
+# ---------------------------------------------------------------------------------------------
+# downloading a release
+# ---------------------------------------------------------------------------------------------
+def download(url, root=CACHE_DIR):
+    """Fetch `url` into `root` once and return its path; the file must match the SHA-256 in the URL.
+
+    The bytes go to a temporary file that is renamed only after its hash matches, so the cache
+    never holds a partial or corrupt checkpoint.
+    """
+    root = Path(root).expanduser()
+    target = root / url.rsplit("/", 1)[1]
+    expected = url.rsplit("/", 2)[1]
+    if target.is_file() and sha256(target) == expected:
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=target.name + ".", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            digest = fetch(url, out, target)
+        if digest != expected:
+            raise RuntimeError(f"{url}: downloaded file has SHA-256 {digest}, expected {expected}; nothing was cached")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+def fetch(url, out, target):
+    """Stream `url` into the open file `out` with a progress line on stderr; return the SHA-256."""
+    digest = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            total = int(response.headers.get("Content-Length") or 0)
+            done = 0
+            while chunk := response.read(CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+                done += len(chunk)
+                progress(target.name, done, total)
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        raise ConnectionError(f"cannot download {url} ({e}). No network? Download the file elsewhere "
+                              f"and put it at {target}") from e
+    print(file=sys.stderr)
+    return digest.hexdigest()
+
+
+def progress(name, done, total):
+    percent = f"{100 * done / total:3.0f}% " if total else ""
+    size = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB" if total else f"{done / 1e6:.1f} MB"
+    print(f"\rdownloading {name}: {percent}({size})", end="", file=sys.stderr, flush=True)
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,335 @@
+"""Evaluation for CLIP4IDC: IP-T / T-IP retrieval metrics (stage 1), captioning metrics (stage 2)
+with the per-type CIDEr breakdown of CLEVR-Change, and a command line that scores a predictions file
+or runs a trained captioner on one's own image pair (any sizes, any format Pillow reads).
+
+    python evaluate.py --predictions out/preds.json --data clevr --data_root data/clevr_change --out m.json
+    python evaluate.py --ckpt out/caption-synth/best.pt --pair before.png after.jpg
+    python evaluate.py --ckpt out/caption-synth/best.pt --pair before.png after.jpg --attention att.png
+
+--attention also saves the class tokens' attention over both images, as in the paper's Figure 3.
+
+Captioning follows the IDC protocol of Sec. 3.1: BLEU-1..4, METEOR, ROUGE-L and CIDEr-D computed by
+pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR run on Java.
+"""
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont
+from pycocoevalcap.bleu.bleu import Bleu
+from pycocoevalcap.cider.cider import Cider
+from pycocoevalcap.meteor.meteor import Meteor
+from pycocoevalcap.rouge.rouge import Rouge
+from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+import data
+
+# ---------------------------------------------------------------------------------------------
+# Retrieval: image pair -> text (IP-T) and text -> image pair (T-IP), Tables 6 and 7
+# ---------------------------------------------------------------------------------------------
+RECALL_AT = (1, 5, 10)
+
+
+def rank_summary(ranks):
+    """R@K (percent), median rank and mean rank of 1-based ranks."""
+    ranks = np.asarray(ranks)
+    summary = {f"R@{k}": 100.0 * float(np.mean(ranks <= k)) for k in RECALL_AT}
+    summary["MdR"] = float(np.median(ranks))
+    summary["MnR"] = float(np.mean(ranks))
+    return summary
+
+
+def retrieval_metrics(sim, text_pair):
+    """IP-T and T-IP scores from sim [n_pairs, n_texts] (tensor or array); text_pair[j] is the pair
+    that caption j describes.
+
+    T-IP ranks every caption's own pair among all pairs. IP-T ranks a pair's best-ranked own caption
+    among all captions: a pair has several correct captions and retrieving any of them is a hit.
+    """
+    if hasattr(sim, "detach"):
+        sim = sim.detach().float().cpu().numpy()
+    sim, text_pair = np.asarray(sim), np.asarray(text_pair)
+    n_pairs, n_texts = sim.shape
+    if text_pair.shape != (n_texts,) or text_pair.min() < 0 or text_pair.max() >= n_pairs:
+        raise ValueError(f"text_pair must hold one pair index in [0, {n_pairs}) for each of the "
+                         f"{n_texts} texts, got shape {text_pair.shape}")
+    # A diverged model's NaNs would compare False everywhere and earn rank 1.
+    if not np.isfinite(sim).all():
+        raise ValueError("similarities contain NaN or inf")
+    own = text_pair[None, :] == np.arange(n_pairs)[:, None]  # own[i, j]: caption j describes pair i
+    if not own.any(axis=1).all():
+        raise ValueError(f"pairs without any caption: {np.flatnonzero(~own.any(axis=1))[:5].tolist()}")
+    # Ties count against the model: rank = 1 + number of competitors scoring >= the true match.
+    # Otherwise a constant-score model would rank everything first.
+    true_score = sim[text_pair, np.arange(n_texts)]
+    text_to_pair = 1 + ((sim >= true_score[None, :]) & ~own).sum(axis=0)
+    best_own = np.where(own, sim, -np.inf).max(axis=1)
+    pair_to_text = 1 + ((sim >= best_own[:, None]) & ~own).sum(axis=1)
+    return {"pair_to_text": rank_summary(pair_to_text), "text_to_pair": rank_summary(text_to_pair)}
+
+
+def format_retrieval(metrics):
+    """The retrieval figures laid out like Table 7: R@1 R@5 R@10 MdR MnR in each direction."""
+    columns = [f"R@{k}" for k in RECALL_AT] + ["MdR", "MnR"]
+    rows = [f"{'':<20}" + "".join(f"{c:>8}" for c in columns)]
+    for name, key in (("Image Pair => Text", "pair_to_text"), ("Text => Image Pair", "text_to_pair")):
+        rows.append(f"{name:<20}" + "".join(f"{metrics[key][c]:>8.1f}" for c in columns))
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Captioning: BLEU, METEOR, ROUGE-L, CIDEr-D (Tables 1, 3, 4) and CIDEr by change type (Table 2)
+# ---------------------------------------------------------------------------------------------
+CAPTION_METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr")
+CHANGE_TYPES = ("color", "texture", "move", "add", "drop", "distractor")  # Table 2's column order
+PAPER_TYPE_NAME = {"material": "texture"}  # CLEVR-Change calls the texture change "material"
+
+
+def require_java():
+    if shutil.which("java") is None:
+        raise RuntimeError("METEOR and the PTB tokenizer of pycocoevalcap need a Java runtime, but "
+                           "`java` is not on PATH. Install one, e.g. `apt-get install "
+                           "default-jre-headless` (Debian/Ubuntu) or `conda install openjdk`.")
+
+
+def check_ids(refs, preds):
+    """Scores are only comparable over the full split, so every reference needs a prediction."""
+    missing, extra = refs.keys() - preds.keys(), preds.keys() - refs.keys()
+    if missing or extra:
+        raise ValueError(f"prediction ids do not match the reference ids: {len(missing)} without a "
+                         f"prediction (e.g. {sorted(map(str, missing))[:5]}), {len(extra)} without "
+                         f"references (e.g. {sorted(map(str, extra))[:5]})")
+    empty = [k for k, captions in refs.items() if not captions]
+    if empty:
+        raise ValueError(f"ids without reference captions: {sorted(map(str, empty))[:5]}")
+
+
+def ptb_tokenize(refs, preds):
+    """Lower-case, PTB-tokenize and strip punctuation, in one Java call for refs and preds alike."""
+    require_java()
+    captions = {("ref", k): [{"caption": c} for c in v] for k, v in refs.items()}
+    captions.update({("pred", k): [{"caption": c}] for k, c in preds.items()})
+    tokens = PTBTokenizer().tokenize(captions)
+    return {k: tokens[("ref", k)] for k in refs}, {k: tokens[("pred", k)] for k in refs}
+
+
+def cider(gts, res):
+    return 100.0 * float(Cider().compute_score(gts, res)[0])
+
+
+def caption_metrics(refs, preds, only=CAPTION_METRICS):
+    """BLEU-1..4, METEOR, ROUGE-L and CIDEr (CIDEr-D) x100 of preds {id: caption} against
+    refs {id: [captions]}. `only` picks a subset, e.g. ("CIDEr",) skips METEOR's slow Java start."""
+    unknown = set(only) - set(CAPTION_METRICS)
+    if unknown:
+        raise ValueError(f"unknown metrics {sorted(unknown)}; choose from {CAPTION_METRICS}")
+    check_ids(refs, preds)
+    gts, res = ptb_tokenize(refs, preds)
+    metrics = {}
+    if any(m.startswith("BLEU") for m in only):
+        bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
+        metrics |= {f"BLEU-{n}": 100.0 * float(b) for n, b in enumerate(bleu, start=1)}
+    if "METEOR" in only:
+        metrics["METEOR"] = 100.0 * float(Meteor().compute_score(gts, res)[0])
+    if "ROUGE-L" in only:
+        metrics["ROUGE-L"] = 100.0 * float(Rouge().compute_score(gts, res)[0])
+    if "CIDEr" in only:
+        metrics["CIDEr"] = cider(gts, res)
+    return {m: v for m, v in metrics.items() if m in only}
+
+
+def per_type_cider(refs, preds, types):
+    """CIDEr x100 on each CLEVR-Change change type (Table 2), keyed by the paper's type names.
+
+    types {id: change type} may leave ids out. Each type is scored as a corpus of its own, as
+    CLEVR-Change's evaluation does, so CIDEr's document frequencies come from that type's
+    references only.
+    """
+    check_ids(refs, preds)
+    ids_of = {t: [] for t in CHANGE_TYPES}
+    for k, t in types.items():
+        t = PAPER_TYPE_NAME.get(t, t)
+        if t not in ids_of or k not in refs:
+            raise ValueError(f"id {k!r} of change type {t!r}: the id must have references and the "
+                             f"type be one of {CHANGE_TYPES}")
+        ids_of[t].append(k)
+    gts, res = ptb_tokenize(refs, preds)
+    return {t: cider({k: gts[k] for k in ids}, {k: res[k] for k in ids})
+            for t, ids in ids_of.items() if ids}
+
+
+def score_items(items, preds):
+    """All caption metrics of preds on data.eval_items(...), plus "per_type" CIDEr where the items
+    carry CLEVR-Change change types."""
+    refs = {item.id: list(item.captions) for item in items}
+    metrics = caption_metrics(refs, preds)
+    types = {item.id: item.change_type for item in items if item.change_type}
+    if types:
+        metrics["per_type"] = per_type_cider(refs, preds, types)
+    return metrics
+
+
+def format_table(metrics):
+    """Caption metrics as in Table 1 (B = BLEU-4, M, C, R) and, if present, Table 2's CIDEr by type."""
+    columns = {"B": "BLEU-4", "M": "METEOR", "C": "CIDEr", "R": "ROUGE-L"}
+    lines = ["".join(f"{c:>8}" for c in columns),
+             "".join(f"{metrics[m]:>8.1f}" for m in columns.values())]
+    if "per_type" in metrics:
+        per_type = metrics["per_type"]
+        heads = ("C", "T", "M", "A", "D", "DI")
+        lines += ["", "CIDEr by change type", "".join(f"{h:>8}" for h in heads),
+                  "".join(f"{per_type[t]:>8.1f}" if t in per_type else f"{'-':>8}" for t in CHANGE_TYPES)]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# One's own image pair: its caption and the vision encoder's attention (Figure 3)
+# ---------------------------------------------------------------------------------------------
+TILE, GAP, MARGIN, HEADER = 224, 4, 64, 24  # figure layout in pixels: image tiles, gaps, label space
+HEAT = np.array([[0, 0, 130], [0, 150, 255], [255, 230, 0], [220, 0, 0]], dtype=float)  # heatmap colours, low -> high
+
+
+def caption_pair(captioner, before, after):
+    """The greedy caption of preprocessed images before, after [1, 3, S, S]."""
+    from caption import ids_to_text  # caption.py imports this module
+    return ids_to_text(captioner.generate(before, after))[0]
+
+
+@torch.no_grad()
+def attention_maps(captioner, before, after):
+    """{"intra": [2, g, g], "inter": [2, g, g]}: the class tokens' attention, mean over heads, to the
+    g x g patches of the before and the after image, in the last intra and the last inter layer."""
+    encoder = captioner.encoder
+    blocks, n_intra = encoder.clip.visual.transformer.resblocks, encoder.config.n_intra
+    layers = {}
+    if n_intra:
+        layers["intra"] = blocks[n_intra - 1].attn
+    if encoder.config.n_inter:
+        layers["inter"] = blocks[-1].attn
+    for attn in layers.values():
+        attn.keep_map = True
+    try:
+        encoder.encode_pair(before, after)
+        maps = {name: attn.map for name, attn in layers.items()}
+    finally:
+        for attn in layers.values():
+            attn.keep_map, attn.map = False, None
+    n1 = encoder.clip.visual.positional_embedding.shape[0]  # n + 1 tokens per image
+    grid = encoder.config.clip.image_size // encoder.config.clip.patch_size
+    if "intra" in maps:  # the batch holds [before; after]: each class token sees its own image only
+        maps["intra"] = maps["intra"][:, :, 0, 1:].mean(1)
+    if "inter" in maps:  # one sequence [cls1, patches1, cls2, patches2]: both class tokens see both images
+        maps["inter"] = maps["inter"][0, :, [0, n1]].mean((0, 1)).view(2, n1)[:, 1:]
+    return {name: m.view(2, grid, grid).cpu() for name, m in maps.items()}
+
+
+def heatmap(weights, size):
+    """weights [g, g] in [0, 1] as a size x size RGB image, dark blue (low) through yellow to red."""
+    x = np.asarray(Image.fromarray(weights.float().numpy()).resize((size, size), Image.BILINEAR))
+    rgb = np.stack([np.interp(x, np.linspace(0, 1, len(HEAT)), HEAT[:, c]) for c in range(3)], axis=-1)
+    return Image.fromarray(rgb.round().astype(np.uint8))
+
+
+def attention_figure(images, maps):
+    """Columns before / after; rows the images, then each map of attention_maps overlaid on them.
+
+    Both images of a row share one scale, the row's largest weight, so the figure shows how the
+    attention splits between the images, and a uniform map stays uniform rather than stretched."""
+    rows, step = ["images", *maps], TILE + GAP
+    figure = Image.new("RGB", (MARGIN + 2 * step, HEADER + len(rows) * step), "white")
+    draw, font = ImageDraw.Draw(figure), ImageFont.load_default(size=16)
+    for c, label in enumerate(("before", "after")):
+        draw.text((MARGIN + c * step + 4, 4), label, fill="black", font=font)
+    for r, name in enumerate(rows):
+        y = HEADER + r * step
+        draw.text((4, y + TILE // 2 - 8), name, fill="black", font=font)
+        for c, image in enumerate(images):
+            if name != "images":
+                image = Image.blend(image, heatmap(maps[name][c] / maps[name].max(), TILE), 0.5)
+            figure.paste(image, (MARGIN + c * step, y))
+    return figure
+
+
+def save_attention(captioner, before, after, paths, out):
+    """Figure 3 for preprocessed images before, after read from the files `paths`, saved to `out`."""
+    images = [Image.fromarray(data.read_pixels(p, TILE).permute(1, 2, 0).numpy()) for p in paths]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    attention_figure(images, attention_maps(captioner, before, after)).save(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prediction files (COCO results format) and the command line
+# ---------------------------------------------------------------------------------------------
+def write_predictions(path, preds):
+    """Write {id: caption} as COCO results: [{"image_id": id, "caption": caption}, ...]."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    results = [{"image_id": k, "caption": c} for k, c in preds.items()]
+    Path(path).write_text(json.dumps(results, indent=1))
+
+
+def read_predictions(path):
+    preds = {}
+    for r in json.loads(Path(path).read_text()):
+        if r["image_id"] in preds:
+            raise ValueError(f"{path}: more than one caption for image_id {r['image_id']!r}")
+        preds[r["image_id"]] = r["caption"]
+    return preds
+
+
+def score_predictions(args):
+    items = data.eval_items(data.read_split(args.data, args.data_root, args.split))
+    metrics = score_items(items, read_predictions(args.predictions))
+    print(f"{args.data} {args.split}: {len(items)} image pairs\n{format_table(metrics)}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({args.split: metrics}, indent=2))
+
+
+def run_captioner(parser, args):
+    if not (args.ckpt and args.pair):
+        parser.error("give --ckpt and --pair (and optionally --attention)")
+    if not Path(args.ckpt).is_file():
+        parser.error(f"no checkpoint at {args.ckpt}: train one with `python caption.py`")
+    for path in args.pair:
+        if not Path(path).is_file():
+            parser.error(f"no image at {path}")
+    from caption import load_captioner  # caption.py imports this module
+    captioner = load_captioner(args.ckpt)
+    size = captioner.encoder.config.clip.image_size
+    try:
+        before, after = (data.load_image(p, size)[None] for p in args.pair)
+    except ValueError as e:  # a file Pillow cannot read: data.read_pixels names it
+        parser.error(str(e))
+    print(caption_pair(captioner, before, after))
+    if args.attention:
+        save_attention(captioner, before, after, args.pair, args.attention)
+        print(f"wrote {args.attention}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    scoring = parser.add_argument_group("score a predictions file against a split's references")
+    scoring.add_argument("--predictions", help='COCO results json: [{"image_id", "caption"}, ...]')
+    scoring.add_argument("--data", default="clevr", help="dataset name, as data.read_split takes it")
+    scoring.add_argument("--data_root", help="dataset folder")
+    scoring.add_argument("--split", default="test")
+    scoring.add_argument("--out", help="write the metrics json here")
+
+    model_modes = parser.add_argument_group("run a trained captioner")
+    model_modes.add_argument("--ckpt", help="stage-2 checkpoint")
+    model_modes.add_argument("--pair", nargs=2, metavar=("BEFORE", "AFTER"), help="images to caption")
+    model_modes.add_argument("--attention", metavar="PNG", help="also save the attention figure here")
+    args = parser.parse_args(argv)
+
+    if args.ckpt or args.pair or args.attention:
+        return run_captioner(parser, args)
+    if not (args.predictions and args.data_root):
+        parser.error("give --predictions and --data_root")
+    score_predictions(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Caption metrics: the wrapper reproduces pycocoevalcap called directly; CIDEr by change type;
+mismatched ids and a missing Java runtime give clear errors. Each scoring call starts Java."""
+import pytest
+from pycocoevalcap.bleu.bleu import Bleu
+from pycocoevalcap.cider.cider import Cider
+from pycocoevalcap.meteor.meteor import Meteor
+from pycocoevalcap.rouge.rouge import Rouge
+from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+import evaluate
+from evaluate import CHANGE_TYPES, caption_metrics, format_table, per_type_cider
+
+REFS = {
+    "000001": ["The red cube changed to blue.", "A red cube became blue.", "the red cube turned blue"],
+    "000002": ["A small metal sphere was added.", "Someone added a small metal sphere."],
+    "000003_n": ["There is no change.", "Nothing has changed.", "The scene is the same as before."],
+    "000004": ["The big rubber cylinder has disappeared.", "The big rubber cylinder is missing."],
+    "000005": ["The yellow ball moved.", "The yellow sphere changed its location."],
+}
+PREDS = {"000001": "the red cube turned blue .", "000002": "a small sphere was added",
+         "000003_n": "Nothing changed!", "000004": "the cylinder is gone", "000005": "the yellow cube moved"}
+
+
+def test_matches_pycocoevalcap_called_directly(monkeypatch):
+    # One METEOR process for both sides: each start takes ~10 s to load its paraphrase tables.
+    meteor = Meteor()
+    monkeypatch.setattr(evaluate, "Meteor", lambda: meteor)
+    gts = PTBTokenizer().tokenize({k: [{"caption": c} for c in v] for k, v in REFS.items()})
+    res = PTBTokenizer().tokenize({k: [{"caption": c}] for k, c in PREDS.items()})
+    bleu, _ = Bleu(4).compute_score(gts, res)
+    expected = {"BLEU-1": bleu[0], "BLEU-2": bleu[1], "BLEU-3": bleu[2], "BLEU-4": bleu[3],
+                "METEOR": meteor.compute_score(gts, res)[0], "ROUGE-L": Rouge().compute_score(gts, res)[0],
+                "CIDEr": Cider().compute_score(gts, res)[0]}
+    metrics = caption_metrics(REFS, PREDS)
+    assert metrics == {k: 100 * v for k, v in expected.items()}
+    assert 0 < metrics["BLEU-4"] < metrics["BLEU-1"] < 100 and metrics["CIDEr"] > 0
+    cider_and_bleu2 = caption_metrics(REFS, PREDS, only=("CIDEr", "BLEU-2"))
+    assert cider_and_bleu2 == {k: metrics[k] for k in ("BLEU-2", "CIDEr")}
+
+
+def clevr_fixture():
+    """Three pairs of each CLEVR-Change type with distinct, known captions."""
+    objects = ["red cube", "blue sphere", "green cylinder", "gray cube", "purple sphere", "brown cylinder",
+               "cyan cube", "yellow sphere", "small red cylinder"]
+    templates = {"color": ["the {} changed its color", "the {} became another color"],
+                 "material": ["the {} changed its material", "the {} is made of something else now"],
+                 "add": ["a {} has been added", "someone added a {}"],
+                 "drop": ["the {} has disappeared", "the {} is missing"],
+                 "move": ["the {} moved", "the {} changed its location"],
+                 "distractor": ["no change was made", "the scene is the same as before"]}
+    refs, types = {}, {}
+    for t, (a, b) in templates.items():
+        for i, obj in enumerate(objects[:3] if t != "move" else objects[-3:]):
+            k = f"{t}{i}_n" if t == "distractor" else f"{t}{i}"
+            refs[k] = [a.format(obj), b.format(obj)] if t != "distractor" else [a, b, f"nothing near the {obj}"]
+            types[k] = t
+    return refs, types
+
+
+def test_per_type_cider():
+    refs, types = clevr_fixture()
+    # Perfect on color, made-up words on move, a distractor's caption (no word in common) on add,
+    # the first three words of a reference elsewhere.
+    preds = {k: v[0] if types[k] == "color" else "zzz qqq xxx" if types[k] == "move"
+             else refs["distractor0_n"][0] if types[k] == "add" else " ".join(v[0].split()[:3])
+             for k, v in refs.items()}
+    cider = per_type_cider(refs, preds, types)
+    assert tuple(cider) == CHANGE_TYPES  # "material" is reported as the paper's "texture"
+    assert cider["color"] > 100 and cider["move"] == 0 and cider["add"] == 0
+    assert 0 < cider["texture"] < cider["color"]
+    # Each type is its own corpus: the same as scoring only that type's pairs.
+    colors = [k for k in refs if types[k] == "color"]
+    gts = PTBTokenizer().tokenize({k: [{"caption": c} for c in refs[k]] for k in colors})
+    res = PTBTokenizer().tokenize({k: [{"caption": preds[k]}] for k in colors})
+    assert cider["color"] == 100 * Cider().compute_score(gts, res)[0]
+
+
+def test_bad_requests_are_explained():
+    with pytest.raises(ValueError, match=r"unknown metrics \['SPICE'\]"):
+        caption_metrics(REFS, PREDS, only=("CIDEr", "SPICE"))
+    preds = {k: c for k, c in PREDS.items() if k != "000002"} | {"999999": "a cube"}
+    with pytest.raises(ValueError, match=r"1 without a prediction \(e\.g\. \['000002'\]\), 1 without "
+                                         r"references \(e\.g\. \['999999'\]\)"):
+        caption_metrics(REFS, preds)
+    with pytest.raises(ValueError, match="'000009' of change type 'color': the id must have references"):
+        per_type_cider(REFS, PREDS, {"000001": "color", "000009": "color"})
+    with pytest.raises(ValueError, match="'000001' of change type 'colour'"):
+        per_type_cider(REFS, PREDS, {"000001": "colour"})
+
+
+def test_missing_java_is_explained(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="need a Java runtime.*apt-get install default-jre-headless"):
+        caption_metrics(REFS, PREDS)
+
+
+def test_format_table_like_tables_1_and_2():
+    metrics = {"BLEU-1": 80.0, "BLEU-2": 70.0, "BLEU-3": 60.0, "BLEU-4": 56.94, "METEOR": 38.36,
+               "ROUGE-L": 76.44, "CIDEr": 150.66}
+    assert format_table(metrics).splitlines() == [f"{'B':>8}{'M':>8}{'C':>8}{'R':>8}",
+                                                  f"{'56.9':>8}{'38.4':>8}{'150.7':>8}{'76.4':>8}"]
+    metrics["per_type"] = {"color": 149.1, "texture": 135.3, "move": 91.0, "drop": 135.5, "distractor": 133.4}
+    lines = format_table(metrics).splitlines()
+    assert lines[-2].split() == ["C", "T", "M", "A", "D", "DI"]
+    assert lines[-1].split() == ["149.1", "135.3", "91.0", "-", "135.5", "133.4"]

@@ -1,0 +1,138 @@
+"""`python evaluate.py --ckpt CKPT --pair BEFORE AFTER [--attention PNG]` on a tiny stage-2 checkpoint:
+the printed caption is the captioner's own, and the attention figure follows Figure 3."""
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import data
+import evaluate
+from caption import CaptionConfig, ids_to_text
+from model import Captioner, CaptionerConfig
+from tiny import tiny_pair_encoder
+
+
+def tiny_captioner(n_intra=2):
+    torch.manual_seed(0)
+    encoder = tiny_pair_encoder(n_intra=n_intra)
+    return Captioner(encoder, CaptionerConfig(layers=1, heads=4, ffn=64, max_len=12)).eval()
+
+
+def save_checkpoint(captioner, path):
+    """caption.py's checkpoint format, so that caption.load_captioner rebuilds this architecture."""
+    config = CaptionConfig(heads=4, ffn=64, layers=1, max_len=12)
+    torch.save({"model": captioner.state_dict(), "config": asdict(config),
+                "model_config": asdict(captioner.encoder.config)}, path)
+
+
+def write_pair(folder):
+    """A 50x40 PNG and a 64x64 JPEG: sizes and formats other than the model's."""
+    rng = np.random.default_rng(0)
+    before, after = folder / "before.png", folder / "after.jpg"
+    Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(before)
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(after)
+    return before, after
+
+
+def test_prints_the_captioners_caption_of_ones_own_pair(tmp_path, capsys):
+    captioner = tiny_captioner()
+    save_checkpoint(captioner, tmp_path / "best.pt")
+    before, after = write_pair(tmp_path)
+    images = [data.load_image(p, 32)[None] for p in (before, after)]
+    expected = ids_to_text(captioner.generate(*images))[0]
+    assert expected  # a caption with words, so that the comparison says something
+
+    evaluate.main(["--ckpt", str(tmp_path / "best.pt"), "--pair", str(before), str(after)])
+    assert capsys.readouterr().out == expected + "\n"
+
+
+@pytest.mark.parametrize("n_intra, rows", [(2, ("intra", "inter")), (0, ("inter",)), (3, ("intra",))])
+def test_attention_figure_has_a_row_per_encoder_part(tmp_path, capsys, n_intra, rows):
+    save_checkpoint(tiny_captioner(n_intra), tmp_path / "best.pt")
+    before, after = write_pair(tmp_path)
+    out = tmp_path / "figures" / "attention.png"
+    evaluate.main(["--ckpt", str(tmp_path / "best.pt"), "--pair", str(before), str(after), "--attention", str(out)])
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out}"
+
+    step = evaluate.TILE + evaluate.GAP
+    with Image.open(out) as figure:
+        assert figure.size == (evaluate.MARGIN + 2 * step, evaluate.HEADER + (1 + len(rows)) * step)
+        pixels = np.asarray(figure.convert("RGB")).astype(int)
+    tiles = [pixels[evaluate.HEADER + r * step:][:evaluate.TILE, evaluate.MARGIN:][:, :2 * step] for r in range(1 + len(rows))]
+    photos = np.asarray(Image.open(before).convert("RGB").resize((evaluate.TILE,) * 2, Image.BICUBIC)).astype(int)
+    assert np.abs(tiles[0][:, :evaluate.TILE] - photos).max() <= 1  # the first row shows the images themselves
+    for overlay in tiles[1:]:
+        assert np.abs(overlay - tiles[0]).mean() > 10
+    if len(rows) == 2:
+        assert np.abs(tiles[1] - tiles[2]).mean() > 1  # intra and inter attend differently
+
+
+def test_intra_maps_see_one_image_and_inter_maps_see_both():
+    captioner = tiny_captioner()
+    before, after, other = torch.randn(3, 1, 3, 32, 32)
+    maps = evaluate.attention_maps(captioner, before, after)
+    assert {k: v.shape for k, v in maps.items()} == {"intra": (2, 4, 4), "inter": (2, 4, 4)}
+    changed = evaluate.attention_maps(captioner, before, other)
+    torch.testing.assert_close(changed["intra"][0], maps["intra"][0])  # the before image's own class token
+    assert (changed["intra"][1] - maps["intra"][1]).abs().max() > 1e-4
+    assert (changed["inter"][0] - maps["inter"][0]).abs().max() > 1e-4  # the pair's class tokens see the change
+    attns = [block.attn for block in captioner.encoder.clip.visual.transformer.resblocks]
+    assert not any(a.keep_map or a.map is not None for a in attns)  # no maps kept after the figure
+
+
+def test_maps_are_the_class_token_rows_without_class_token_columns():
+    captioner = tiny_captioner()
+    before, after = torch.randn(2, 1, 3, 32, 32)
+    blocks = captioner.encoder.clip.visual.transformer.resblocks
+    for i in (1, 2):
+        blocks[i].attn.keep_map = True
+    with torch.no_grad():
+        captioner.encoder.encode_pair(before, after)
+    intra, inter = blocks[1].attn.map, blocks[2].attn.map  # [2, 4, 17, 17] and [1, 4, 34, 34]
+    for i in (1, 2):
+        blocks[i].attn.keep_map = False
+    patches = [j for j in range(34) if j not in (0, 17)]
+    expected = {"intra": intra[:, :, 0, 1:].mean(1).reshape(2, 4, 4),
+                "inter": inter[0, :, (0, 17)][:, :, patches].mean((0, 1)).reshape(2, 4, 4)}
+    maps = evaluate.attention_maps(captioner, before, after)
+    for name in expected:
+        torch.testing.assert_close(maps[name], expected[name])
+
+
+def test_uniform_attention_gives_flat_maps():
+    captioner = tiny_captioner()
+    with torch.no_grad():  # zero queries: every token attends equally to all tokens it can see
+        for block in captioner.encoder.clip.visual.transformer.resblocks:
+            block.attn.in_proj_weight[:48].zero_()
+            block.attn.in_proj_bias[:48].zero_()
+    maps = evaluate.attention_maps(captioner, *torch.randn(2, 1, 3, 32, 32))
+    torch.testing.assert_close(maps["intra"], torch.full((2, 4, 4), 1 / 17))  # n + 1 = 17 tokens per image
+    torch.testing.assert_close(maps["inter"], torch.full((2, 4, 4), 1 / 34))  # 2(n + 1) tokens per pair
+
+
+@pytest.mark.parametrize("missing", ["ckpt", "image"])
+def test_missing_files_are_named(tmp_path, capsys, missing):
+    save_checkpoint(tiny_captioner(), tmp_path / "best.pt")
+    before, after = write_pair(tmp_path)
+    ckpt = tmp_path / ("nope.pt" if missing == "ckpt" else "best.pt")
+    after = tmp_path / "nope.png" if missing == "image" else after
+    with pytest.raises(SystemExit):
+        evaluate.main(["--ckpt", str(ckpt), "--pair", str(before), str(after)])
+    assert f"no {'checkpoint' if missing == 'ckpt' else 'image'} at {tmp_path / 'nope'}" in capsys.readouterr().err
+
+
+def test_unreadable_image_is_named(tmp_path, capsys):
+    save_checkpoint(tiny_captioner(), tmp_path / "best.pt")
+    before, _ = write_pair(tmp_path)
+    (tmp_path / "notes.png").write_text("not an image")
+    with pytest.raises(SystemExit):
+        evaluate.main(["--ckpt", str(tmp_path / "best.pt"), "--pair", str(before), str(tmp_path / "notes.png")])
+    assert f"{tmp_path / 'notes.png'}: cannot read image" in capsys.readouterr().err
+
+
+def test_pair_needs_a_checkpoint(capsys):
+    with pytest.raises(SystemExit):
+        evaluate.main(["--pair", "a.png", "b.png"])
+    assert "give --ckpt and --pair" in capsys.readouterr().err

@@ -1,0 +1,194 @@
+"""clip_weights: config inference, strict key checks, safe reading, and the cached, hash-checked download."""
+import hashlib
+import http.server
+import socket
+import threading
+
+import pytest
+import torch
+
+import clip_weights
+from model import CLIP, CLIPConfig
+from openai_reference import model as openai_model
+from openai_reference import random_state_dict
+
+TINY = CLIPConfig(embed_dim=64, image_size=32, patch_size=16, vision_width=64, vision_layers=2, vision_heads=1,
+                  context_length=16, vocab_size=49408, text_width=64, text_layers=2, text_heads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_sd():
+    return random_state_dict(TINY, seed=0)
+
+
+def save(sd, path):
+    torch.save(sd, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# the architecture is read off the shapes
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, args, expected", [
+    ("ViT-B/16", (512, 224, 12, 768, 16, 77, 49408, 512, 8, 12),
+     CLIPConfig(patch_size=16)),
+    ("ViT-L/14", (768, 224, 24, 1024, 14, 77, 49408, 768, 12, 12),
+     CLIPConfig(embed_dim=768, patch_size=14, vision_width=1024, vision_layers=24, vision_heads=16,
+                text_width=768, text_heads=12)),
+    ("ViT-L/14@336px", (768, 336, 24, 1024, 14, 77, 49408, 768, 12, 12),
+     CLIPConfig(embed_dim=768, image_size=336, patch_size=14, vision_width=1024, vision_layers=24,
+                vision_heads=16, text_width=768, text_heads=12)),
+])
+def test_config_of_other_releases(name, args, expected):
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        sd = openai_model.CLIP(*args).state_dict()
+        assert clip_weights.config_from_state_dict(sd) == expected, name
+        clip_weights.load_weights(CLIP(expected), sd)  # same keys, same shapes
+
+
+def test_resnet_checkpoint_is_rejected(tmp_path):
+    resnet = openai_model.CLIP(64, 64, (1, 1, 1, 1), 64, None, 16, 100, 64, 1, 1)
+    with pytest.raises(ValueError, match="ResNet"):
+        clip_weights.load(save(resnet.state_dict(), tmp_path / "rn.pt"))
+
+
+# ---------------------------------------------------------------------------------------------
+# loading is strict
+# ---------------------------------------------------------------------------------------------
+def test_missing_key_is_named(tiny_sd, tmp_path):
+    sd = dict(tiny_sd)
+    del sd["transformer.resblocks.1.ln_2.bias"]
+    with pytest.raises(ValueError, match=r"missing keys: \['transformer.resblocks.1.ln_2.bias'\]"):
+        clip_weights.load(save(sd, tmp_path / "ckpt.pt"))
+
+
+def test_missing_block_is_named(tiny_sd, tmp_path):
+    sd = {k: v for k, v in tiny_sd.items() if not k.startswith("visual.transformer.resblocks.0.")}
+    with pytest.raises(ValueError, match=r"missing keys: \['visual.transformer.resblocks.0.attn.in_proj_bias'"):
+        clip_weights.load(save(sd, tmp_path / "ckpt.pt"))
+
+
+def test_unexpected_key_is_named(tiny_sd, tmp_path):
+    sd = dict(tiny_sd, **{"visual.extra_token": torch.zeros(64)})
+    with pytest.raises(ValueError, match=r"unexpected keys: \['visual.extra_token'\]"):
+        clip_weights.load(save(sd, tmp_path / "ckpt.pt"))
+
+
+def test_misshaped_key_is_named(tiny_sd, tmp_path):
+    sd = dict(tiny_sd)
+    sd["transformer.resblocks.0.mlp.c_fc.weight"] = torch.zeros(100, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"transformer.resblocks.0.mlp.c_fc.weight: checkpoint \(100, 64\) vs model \(256, 64\)"):
+        clip_weights.load(save(sd, tmp_path / "ckpt.pt"))
+
+
+@pytest.mark.parametrize("dropped, message", [
+    ("visual.proj", r"missing keys \['visual.proj'\]"),
+    ("transformer.resblocks.", r"no keys start with 'transformer.resblocks.'"),
+])
+def test_keys_needed_for_the_config_are_named(tiny_sd, tmp_path, dropped, message):
+    sd = {k: v for k, v in tiny_sd.items() if not k.startswith(dropped)}
+    with pytest.raises(ValueError, match=message):
+        clip_weights.load(save(sd, tmp_path / "ckpt.pt"))
+
+
+def test_loading_never_unpickles_objects(tiny_sd, tmp_path):
+    marker = tmp_path / "code_ran"
+
+    class Payload:
+        def __reduce__(self):  # unpickling this would create `marker`
+            return open, (str(marker), "w")
+
+    path = save(dict(tiny_sd, payload=Payload()), tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        clip_weights.load(path)
+    assert not marker.exists()
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(FileNotFoundError, match="ViT-B/32"):
+        clip_weights.load("ViT-H/99")
+
+
+# ---------------------------------------------------------------------------------------------
+# downloading: a local server stands in for OpenAI's
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    """Serves tmp_path/www on 127.0.0.1; `server.requests` lists the paths asked for."""
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    www = tmp_path / "www"
+    www.mkdir()
+    requests = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(www), **kwargs)
+
+        def do_GET(self):
+            requests.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    httpd.www, httpd.requests = www, requests
+    httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def publish(server, content, name="ViT-B-32.pt", sha=None):
+    """Put `content` on the server under /<sha>/<name>, as OpenAI's URLs are laid out."""
+    sha = sha or hashlib.sha256(content).hexdigest()
+    (server.www / sha).mkdir()
+    (server.www / sha / name).write_bytes(content)
+    return f"{server.url}/{sha}/{name}"
+
+
+def test_download_caches_and_reuses(server, tiny_sd, tmp_path, monkeypatch, capsys):
+    content = save(tiny_sd, tmp_path / "tiny.pt").read_bytes()
+    monkeypatch.setitem(clip_weights.MODELS, "ViT-B/32", publish(server, content))
+    cache = tmp_path / "cache"
+
+    model = clip_weights.load("ViT-B/32", root=cache)
+    assert model.config == TINY
+    assert (cache / "ViT-B-32.pt").read_bytes() == content
+    assert sorted(p.name for p in cache.iterdir()) == ["ViT-B-32.pt"]  # no temporary file left
+    assert len(server.requests) == 1
+    assert "100%" in capsys.readouterr().err
+
+    clip_weights.load("ViT-B/32", root=cache)
+    assert len(server.requests) == 1  # the cached file's hash matched: no second request
+
+
+def test_corrupt_cached_file_is_downloaded_again(server, tmp_path):
+    content = b"the real checkpoint bytes"
+    url = publish(server, content, name="x.pt")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "x.pt").write_bytes(b"truncated")
+    assert clip_weights.download(url, cache).read_bytes() == content
+    assert len(server.requests) == 1
+
+
+def test_hash_mismatch_leaves_nothing_cached(server, tmp_path):
+    url = publish(server, b"not what the URL promises", sha="0" * 64)
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        clip_weights.download(url, cache)
+    assert list(cache.iterdir()) == []
+
+
+def test_no_network_says_where_to_put_the_file(tmp_path):
+    with socket.socket() as s:  # a port that nothing listens on once the socket is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cache = tmp_path / "cache"
+    url = f"http://127.0.0.1:{port}/{'0' * 64}/ViT-B-32.pt"
+    with pytest.raises(ConnectionError, match="No network") as error:
+        clip_weights.download(url, cache)
+    assert str(cache / "ViT-B-32.pt") in str(error.value)
+    assert list(cache.iterdir()) == []

@@ -1,0 +1,204 @@
+"""The CLEVR-Change, Spot-the-Diff and Image-Editing-Request readers on tiny folders in each published layout."""
+import json
+import logging
+
+import pytest
+import torch
+from PIL import Image
+
+import data
+
+
+def png(path, color=(200, 10, 10), size=(12, 8)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path)
+
+
+def write_clevr(root, ids=(1, 2, 3), uncaptioned=()):
+    for i in ids:
+        png(root / "images" / f"CLEVR_default_{i:06d}.png")
+        png(root / "sc_images" / f"CLEVR_semantic_{i:06d}.png")
+        png(root / "nsc_images" / f"CLEVR_nonsemantic_{i:06d}.png")
+    captioned = [i for i in ids if i not in uncaptioned]
+    change = {f"CLEVR_default_{i:06d}.png": [f"change {i} a", f"change {i} b"] for i in captioned}
+    no_change = {f"CLEVR_default_{i:06d}.png": ["no change", "nothing has changed"] for i in ids}
+    files = {"splits": {"train": list(ids), "val": [], "test": []}, "change_captions": change,
+             "no_change_captions": no_change, "type_mapping": {"color": ["000001.png"], "move": ["000002.png"]}}
+    for name, content in files.items():
+        (root / f"{name}.json").write_text(json.dumps(content))
+
+
+def test_clevr_pairs_follow_the_published_layout(tmp_path):
+    write_clevr(tmp_path)
+    pairs = data.read_split("clevr", tmp_path, "train")
+    assert [p.id for p in pairs] == ["000001.png", "000002.png", "000003.png"]
+    p = pairs[0]
+    assert p.before == tmp_path / "images" / "CLEVR_default_000001.png"
+    assert p.after == tmp_path / "sc_images" / "CLEVR_semantic_000001.png"
+    assert p.distractor == tmp_path / "nsc_images" / "CLEVR_nonsemantic_000001.png"
+    assert p.captions == ["change 1 a", "change 1 b"] and p.distractor_captions == ["no change", "nothing has changed"]
+    assert [p.change_type for p in pairs] == ["color", "move", None]
+    assert data.read_split("synth", tmp_path, "train") == pairs
+
+
+def test_clevr_eval_items_add_each_distractor_as_a_no_change_pair(tmp_path):
+    write_clevr(tmp_path, ids=(1, 2))
+    items = data.eval_items(data.read_split("clevr", tmp_path, "train"))
+    assert [i.id for i in items] == ["000001.png", "000001.png_n", "000002.png", "000002.png_n"]
+    n = items[1]
+    assert (n.before, n.after) == (items[0].before, items[0].distractor)
+    assert n.captions == ["no change", "nothing has changed"] and n.change_type == "distractor"
+
+
+def test_clevr_ids_without_captions_are_skipped_and_counted(tmp_path, caplog):
+    write_clevr(tmp_path, ids=(1, 2, 3, 4), uncaptioned=(2, 4))
+    with caplog.at_level(logging.WARNING):
+        pairs = data.read_split("clevr", tmp_path, "train")
+    assert [p.id for p in pairs] == ["000001.png", "000003.png"]
+    assert "skipped 2 of 4 ids" in caplog.text and "2, 4" in caplog.text
+
+
+def test_clevr_unknown_split_is_named(tmp_path):
+    write_clevr(tmp_path)
+    with pytest.raises(ValueError, match="no split 'dev'.*train, val, test"):
+        data.read_split("clevr", tmp_path, "dev")
+
+
+@pytest.mark.parametrize("dataset, url", [("clevr", "Seth-Park/RobustChangeCaptioning"),
+                                          ("spot", "harsh19/spot-the-diff"), ("ier", "airsplay/VisualRelationships")])
+def test_missing_root_names_path_layout_and_source(tmp_path, dataset, url):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nowhere'}: no such folder; expected .* layout .*{url}"):
+        data.read_split(dataset, tmp_path / "nowhere", "train")
+
+
+def test_missing_json_names_the_file(tmp_path):
+    write_clevr(tmp_path)
+    (tmp_path / "type_mapping.json").unlink()
+    with pytest.raises(FileNotFoundError, match="type_mapping.json: not found; expected CLEVR-Change's layout"):
+        data.read_split("clevr", tmp_path, "train")
+
+
+def test_malformed_json_names_file_and_position(tmp_path):
+    write_clevr(tmp_path)
+    (tmp_path / "splits.json").write_text('{"train": [1, 2,\n  3 "val": []}')
+    with pytest.raises(ValueError, match=r"splits.json: malformed JSON at line 2 column 5 \(char 21\)"):
+        data.read_split("clevr", tmp_path, "train")
+
+
+def test_missing_images_report_first_ids_and_count(tmp_path):
+    write_clevr(tmp_path, ids=tuple(range(1, 9)))
+    for i in range(2, 9):
+        (tmp_path / "sc_images" / f"CLEVR_semantic_{i:06d}.png").unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        data.read_split("clevr", tmp_path, "train")
+    message = str(e.value)
+    assert "CLEVR_semantic_000002.png: not found" in message and "7 of 8 train pairs lack image files" in message
+    assert "ids 000002.png, 000003.png, 000004.png, 000005.png, 000006.png, ...)" in message
+
+
+def test_missing_image_folder_is_reported(tmp_path):
+    write_clevr(tmp_path)
+    for f in (tmp_path / "nsc_images").iterdir():
+        f.unlink()
+    (tmp_path / "nsc_images").rmdir()
+    with pytest.raises(FileNotFoundError, match="nsc_images/CLEVR_nonsemantic_000001.png: not found, and 3 of 3"):
+        data.read_split("clevr", tmp_path, "train")
+
+
+def test_corrupt_image_names_the_file(tmp_path):
+    write_clevr(tmp_path)
+    bad = tmp_path / "images" / "CLEVR_default_000002.png"
+    bad.write_bytes(bad.read_bytes()[:40])  # a truncated PNG
+    pairs = data.read_split("clevr", tmp_path, "train")
+    data.load_image(pairs[0].before, 16)
+    with pytest.raises(ValueError, match=f"{bad}: cannot read image"):
+        data.load_image(pairs[1].before, 16)
+    (tmp_path / "junk.png").write_text("not an image")
+    with pytest.raises(ValueError, match="junk.png: cannot read image"):
+        data.load_image(tmp_path / "junk.png", 16)
+
+
+def write_spot(root, folder="resized_images", annotations="annotations"):
+    entries = {"train": [{"img_id": "400", "sentences": ["a car is gone"]}, {"img_id": "7", "sentences": ["x", "y"]},
+                         {"img_id": "400", "sentences": ["the person moved", "nothing else"]}],
+               "val": [{"img_id": "9", "sentences": ["z"]}], "test": []}
+    (root / annotations).mkdir(parents=True, exist_ok=True)
+    for split, content in entries.items():
+        (root / annotations / f"{split}.json").write_text(json.dumps(content))
+    for i in ("400", "7", "9"):
+        png(root / folder / f"{i}.png")
+        png(root / folder / f"{i}_2.png")
+
+
+def test_spot_merges_entries_of_one_image_pair(tmp_path):
+    write_spot(tmp_path)
+    pairs = data.read_split("spot", tmp_path, "train")
+    assert [p.id for p in pairs] == ["400.png", "7.png"]
+    assert pairs[0].captions == ["a car is gone", "the person moved", "nothing else"]
+    assert pairs[0].before == tmp_path / "resized_images" / "400.png"
+    assert pairs[0].after == tmp_path / "resized_images" / "400_2.png"
+    assert pairs[0].change_type is None and pairs[0].distractor is None
+    assert data.eval_items(pairs) == pairs
+
+
+def test_spot_also_reads_jsons_at_the_root_and_an_images_folder(tmp_path):
+    write_spot(tmp_path, folder="images", annotations=".")
+    assert [p.after.name for p in data.read_split("spot", tmp_path, "val")] == ["9_2.png"]
+
+
+def test_spot_entry_without_sentences_is_named(tmp_path):
+    write_spot(tmp_path)
+    (tmp_path / "annotations" / "val.json").write_text(json.dumps([{"img_id": "9", "sentences": []}, {"img_id": "3"}]))
+    with pytest.raises(ValueError, match="val.json: entry 1 is not an object with keys img_id, sentences"):
+        data.read_split("spot", tmp_path, "val")
+
+
+def test_spot_missing_after_image(tmp_path):
+    write_spot(tmp_path)
+    (tmp_path / "resized_images" / "7_2.png").unlink()
+    with pytest.raises(FileNotFoundError, match=r"7_2.png: not found, and 1 of 2 train pairs lack image files \(ids 7.png\)"
+                                                r".*harsh19/spot-the-diff"):
+        data.read_split("spot", tmp_path, "train")
+
+
+def write_ier(root):
+    names = {"a.jpg": "JPEG", "b.PNG": "PNG", "c.JPG": "JPEG", "d.gif": "GIF", "e.jpeg": "JPEG"}
+    (root / "images").mkdir(parents=True)
+    for name, fmt in names.items():
+        Image.new("RGB", (10, 6), (30, 200, 30)).save(root / "images" / name, format=fmt)
+    test = [{"img0": "a.jpg", "img1": "b.PNG", "sents": ["s1", "s2", "s3"], "uid": "Reddit_1"},
+            {"img0": "c.JPG", "img1": "d.gif", "sents": ["t1", "t2", "t3"], "uid": "Reddit_2"}]
+    valid = [{"img0": "e.jpeg", "img1": "a.jpg", "sents": ["brighten it"], "uid": "Reddit_3"}]
+    (root / "dataset" / "adobe").mkdir(parents=True)
+    (root / "dataset" / "adobe" / "test.json").write_text(json.dumps(test))
+    (root / "dataset" / "adobe" / "valid.json").write_text(json.dumps(valid))
+
+
+def test_ier_reads_mixed_image_formats(tmp_path):
+    write_ier(tmp_path)
+    pairs = data.read_split("ier", tmp_path, "test")
+    assert [p.id for p in pairs] == ["Reddit_1", "Reddit_2"]
+    assert all(len(p.captions) == 3 for p in pairs)
+    assert pairs[1].after == tmp_path / "images" / "d.gif"
+    green = data.normalise(torch.tensor([30, 200, 30], dtype=torch.uint8).view(3, 1, 1))
+    for p in pairs:
+        for path in (p.before, p.after):
+            image = data.load_image(path, 8)
+            assert image.shape == (3, 8, 8)
+            assert torch.allclose(image[:, 4, 4], green[:, 0, 0], atol=0.1)  # jpeg is lossy
+
+
+def test_ier_accepts_val_for_valid(tmp_path):
+    write_ier(tmp_path)
+    assert [p.id for p in data.read_split("ier", tmp_path, "val")] == ["Reddit_3"]
+
+
+def test_ier_missing_split_json(tmp_path):
+    write_ier(tmp_path)
+    with pytest.raises(FileNotFoundError, match="train.json: not found; expected Image-Editing-Request's layout"):
+        data.read_split("ier", tmp_path, "train")
+
+
+def test_unknown_dataset_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown dataset 'coco'"):
+        data.read_split("coco", tmp_path, "train")

@@ -1,0 +1,153 @@
+"""The synthetic CLEVR-Change: its layout, determinism, and captions that say what the scene graphs changed."""
+import json
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import data
+
+N = 20
+SIZE_WORDS = {"small": {"small", "tiny"}, "large": {"large", "big"}}
+MATERIAL_WORDS = {"rubber": {"rubber", "matte"}, "metal": {"metal", "metallic", "shiny"}}
+SHAPE_WORDS = {"cube": {"cube", "block"}, "sphere": {"sphere", "ball"}, "cylinder": {"cylinder"}}
+RELATION = re.compile(r" that is (left of|right of|in front of|behind) the (\w+) (\w+)")
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synth") / "d"
+    data.write_synth(root, N, seed=3)
+    files = {name: json.loads((root / f"{name}.json").read_text())
+             for name in ("splits", "change_captions", "no_change_captions", "type_mapping", "scenes")}
+    return root, files
+
+
+def test_layout_and_schemas_are_clevr_changes(synth):
+    root, f = synth
+    assert f["splits"] == {"train": list(range(16)), "val": [16, 17], "test": [18, 19]}
+    defaults = {f"CLEVR_default_{i:06d}.png" for i in range(N)}
+    assert set(f["change_captions"]) == set(f["no_change_captions"]) == defaults
+    assert sorted(f["type_mapping"]) == ["add", "color", "drop", "material", "move"]
+    assert sorted(sum(f["type_mapping"].values(), [])) == [f"{i:06d}.png" for i in range(N)]
+    for i in range(N):
+        for folder, prefix in (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic")):
+            with Image.open(root / folder / f"CLEVR_{prefix}_{i:06d}.png") as image:
+                assert (image.size, image.mode) == ((480, 320), "RGB")
+    for captions in list(f["change_captions"].values()) + list(f["no_change_captions"].values()):
+        assert len(captions) == len(set(captions)) == 5
+        assert all(c == c.lower() and not c.endswith(".") for c in captions)
+    assert not (root.parent / "d.partial").exists()
+    pairs = data.read_split("synth", root, "test")
+    assert [p.change_type for p in pairs] == [f["scenes"][p.id]["change_type"] for p in pairs]
+
+
+def test_same_seed_same_bytes_other_seed_other_scenes(tmp_path):
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        data.write_synth(tmp_path / name, 5, seed)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert len(files) == 5 * 3 + 5
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    assert (tmp_path / "a" / "scenes.json").read_text() != (tmp_path / "c" / "scenes.json").read_text()
+    with pytest.raises(FileExistsError, match="exists"):
+        data.write_synth(tmp_path / "a", 5, 5)
+
+
+def the_change(kind, before, after):
+    """(object before, object after) of the one object the scene graphs change; None on the missing side."""
+    if kind == "add":
+        extra = [o for o in after if o not in before]
+        assert len(after) == len(before) + 1 and len(extra) == 1
+        return None, extra[0]
+    if kind == "drop":
+        gone = [o for o in before if o not in after]
+        assert len(before) == len(after) + 1 and len(gone) == 1
+        return gone[0], None
+    changed = [(b, a) for b, a in zip(before, after) if b != a]
+    assert len(before) == len(after) and len(changed) == 1
+    b, a = changed[0]
+    assert {k for k in b if b[k] != a[k]} == ({"x", "y"} if kind == "move" else {kind})
+    return b, a
+
+
+def names(obj, words):
+    """Whether a noun phrase names obj's size and colour, and its shape or 'thing'/'object'."""
+    return (obj["color"] in words and SIZE_WORDS[obj["size"]] & words
+            and (SHAPE_WORDS[obj["shape"]] | {"thing", "object"}) & words)
+
+
+def relation_holds(where, subject, other):
+    dx, dy = subject["x"] - other["x"], subject["y"] - other["y"]
+    return {"left of": dx < 0, "right of": dx > 0, "in front of": dy > 0, "behind": dy < 0}[where]
+
+
+def test_captions_describe_the_change_in_the_scene_graphs(synth):
+    _, f = synth
+    kinds = set()
+    for name, scene in f["scenes"].items():
+        kind, before, after = scene["change_type"], scene["before"], scene["after"]
+        kinds.add(kind)
+        assert 3 <= len(before) <= 6
+        old, new = the_change(kind, before, after)
+        subject, context = (new, after) if kind == "add" else (old, before)
+        for caption in f["change_captions"][f"CLEVR_default_{name}"]:
+            words = set(caption.split(" that is ")[0].split())
+            assert names(subject, words), (caption, subject)
+            if kind == "color":
+                assert caption.split()[-1] == new["color"] != old["color"]
+            if kind == "material":
+                assert caption.split()[-1] in MATERIAL_WORDS[new["material"]]
+            relation = RELATION.search(caption)
+            if relation:  # "that is left of the big cyan ...": some big cyan object of the scene is to the right
+                where, size, color = relation.groups()
+                assert any(relation_holds(where, subject, o) for o in context
+                           if o["color"] == color and size in SIZE_WORDS[o["size"]] and o != subject), caption
+        no_change = " ".join(f["no_change_captions"][f"CLEVR_default_{name}"]).split()
+        assert not set(no_change) & set(data.COLORS)
+    assert kinds == set(data.CHANGES)
+
+
+def test_images_change_only_around_the_changed_object(synth):
+    root, f = synth
+    for name, scene in f["scenes"].items():
+        before, after, distractor = (np.asarray(Image.open(root / d / f"CLEVR_{p}_{name}"), dtype=int) for d, p in
+                                     (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic")))
+        ys, xs = np.nonzero(np.abs(before - after).sum(-1))
+        assert len(xs) > 100, name
+        old, new = the_change(scene["change_type"], scene["before"], scene["after"])
+        boxes = [(o["x"] - 1.6 * r, o["x"] + 1.6 * r, o["y"] - 2.2 * r, o["y"] + 0.6 * r)
+                 for o in (old, new) if o for r in [data.radius(o)]]
+        inside = np.zeros(len(xs), bool)
+        for x0, x1, y0, y1 in boxes:
+            inside |= (xs >= x0) & (xs <= x1) & (ys >= y0) & (ys <= y1)
+        assert inside.all(), name
+        assert np.abs(before - distractor).mean() > 1  # viewpoint / light differ over the whole image
+        camera = scene["distractor_camera"]
+        assert abs(camera["dx"]) <= 10 and abs(camera["dy"]) <= 6 and abs(camera["zoom"] - 1) <= 0.06
+        assert 0.08 <= abs(camera["light"] - 1) <= 0.2
+
+
+def test_distractor_camera_shifts_and_zooms_the_objects():
+    cube = {"shape": "cube", "color": "red", "material": "rubber", "size": "large", "x": 300.0, "y": 200.0}
+
+    def red_box(**camera):
+        image = np.asarray(data.render([cube], {**data.SAME_CAMERA, **camera}), dtype=int)
+        ys, xs = np.nonzero(image[..., 0] - image[..., 2] > 40)
+        return np.array([xs.min(), xs.max(), ys.min(), ys.max()])
+
+    box = red_box()
+    assert np.abs(red_box(dx=10, dy=-5) - box - [10, 10, -5, -5]).max() <= 1
+    zoomed = red_box(zoom=1.06)
+    assert abs((zoomed[1] - zoomed[0]) / (box[1] - box[0]) - 1.06) < 0.03
+    assert zoomed[0] > box[0] and zoomed[3] > box[3]  # right of and below the centre: pushed outwards
+    assert np.array_equal(red_box(light=0.85), box)
+
+
+def test_ensure_synth_generates_only_when_missing(tmp_path):
+    root = data.ensure_synth(tmp_path / "s", pairs=10, seed=1)
+    assert len(data.read_split("synth", root, "train")) == 8
+    stamp = (root / "scenes.json").stat().st_mtime_ns
+    data.ensure_synth(root, pairs=10, seed=1)
+    assert (root / "scenes.json").stat().st_mtime_ns == stamp
