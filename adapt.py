@@ -88,6 +88,16 @@ def parse_config(config_cls, synth_defaults, stage, argv=None):
     return cfg
 
 
+def start_run(config_cls, synth_defaults, stage, argv=None):
+    """The first steps of both stages: flags, log format, seeds, device."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = parse_config(config_cls, synth_defaults, stage, argv)
+    print(f"config: {asdict(cfg)}")
+    seed_everything(cfg.seed)
+    device, _, _ = setup_device(cfg)
+    return cfg, device
+
+
 def prepare_data(cfg, image_size):
     """The three splits and, with --cache, one ImageCache of all their images at the model's input size."""
     if cfg.data == "synth":
@@ -234,13 +244,14 @@ def fit(cfg, model, loss_fn, train_set, validate, new_names, decay, patience=0, 
                          scaler=scaler.state_dict() if scaler else None, state=state, rng=rng_state(),
                          config=asdict(cfg), model_config=asdict(model_config_of(model))), out / "last.pt")
 
-    start, t0 = state["step"], time.time()
+    start, t0, pairs_seen = state["step"], time.time(), 0
     while state["step"] < total:
         epoch, done_in_epoch = divmod(state["step"], steps_per_epoch)
         sampler.set_epoch(epoch, skip=done_in_epoch * cfg.batch_size)
         model.train()
         for batch in loader:
             batch = [t.to(device, non_blocking=True) for t in batch]
+            pairs_seen += batch[0].shape[:-3].numel()  # images are [..., 3, H, W]
             with autocast:
                 loss = loss_fn(batch)
             optimizer.zero_grad(set_to_none=True)
@@ -262,10 +273,10 @@ def fit(cfg, model, loss_fn, train_set, validate, new_names, decay, patience=0, 
             step = state["step"]
             if step % cfg.log_every == 0 or step == total:
                 elapsed = time.time() - t0
-                rate = (step - start) * cfg.batch_size / elapsed
+                rate = pairs_seen / elapsed
                 extra = "".join(f" {k} {v}" for k, v in (log_extra() if log_extra else {}).items())
                 print(f"epoch {epoch + 1}/{cfg.epochs} step {step}/{total} loss {loss.item():.4f} "
-                      f"lr {schedule.get_last_lr()[0]:.2e}{extra} pairs/s {rate:.1f} "
+                      f"lr {max(schedule.get_last_lr()):.2e}{extra} pairs/s {rate:.1f} "
                       f"eta {format_eta((total - step) * elapsed / (step - start))}", flush=True)
             if step % cfg.save_every == 0:
                 checkpoint()
@@ -349,11 +360,7 @@ def rsum(metrics):
 
 
 def main(argv=None):
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = parse_config(AdaptConfig, SYNTH_DEFAULTS, "adapt", argv)
-    print(f"config: {asdict(cfg)}")
-    seed_everything(cfg.seed)
-    device, _, _ = setup_device(cfg)
+    cfg, device = start_run(AdaptConfig, SYNTH_DEFAULTS, "adapt", argv)
     model = build_model(cfg).to(device)
     print(f"pair encoder: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{model.config.n_intra} intra + {model.config.n_inter} inter layers")

@@ -9,18 +9,16 @@ encoder-decoder learns the captions with word-level cross-entropy. The best epoc
 scored once on test, next to a blind baseline that writes the most frequent training caption.
 """
 import json
-import logging
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import data
 import evaluate
 from adapt import (AdaptConfig, build_model, fit, load_pair_encoder, make_loader, pair_encoder_from_config,
-                   parse_config, prepare_data, seed_everything, setup_device)
+                   prepare_data, start_run)
 from model import EOT, Captioner, CaptionerConfig
 
 
@@ -40,8 +38,8 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     max_len: int = 32
     epochs: int = 50
     batch_size: int = 16
-    lr: float = 1e-4  # the captioning model
-    lr_clip: float = 1e-7  # the pair encoder, CLIP's word embeddings included
+    lr: float = 1e-4  # the captioning model, with the word embeddings it shares with CLIP
+    lr_clip: float = 1e-7  # the pair encoder
     weight_decay: float = 0.01
     warmup: float = 0.1  # fraction of the steps; then linear decay
     grad_clip: float = 1.0
@@ -59,13 +57,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
 
 
 # The offline default: a small captioner, and a pair encoder that was itself trained from scratch.
-SYNTH_DEFAULTS = dict(heads=4, ffn=512, epochs=8, batch_size=32, lr=5e-4, lr_clip=1e-4, patience=0, workers=1, cache=True)
-
-
-def caption_loss(logits, ids):
-    """Word-level cross-entropy; positions after a caption's EOT are padding and do not count."""
-    target = ids[:, 1:].masked_fill(torch.cumsum(ids == EOT, dim=1)[:, :-1] > 0, -100)
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+SYNTH_DEFAULTS = dict(heads=4, ffn=512, epochs=6, batch_size=32, lr=5e-4, lr_clip=1e-4, patience=0, workers=1, cache=True)
 
 
 def build_captioner(cfg, device):
@@ -122,11 +114,7 @@ def blind_baseline(train_pairs, items):
 
 
 def main(argv=None):
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = parse_config(CaptionConfig, SYNTH_DEFAULTS, "caption", argv)
-    print(f"config: {asdict(cfg)}")
-    seed_everything(cfg.seed)
-    device, _, _ = setup_device(cfg)
+    cfg, device = start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv)
     captioner = build_captioner(cfg, device)
     print(f"captioner: {sum(p.numel() for p in captioner.parameters()) / 1e6:.2f}M parameters")
     image_size, context = captioner.encoder.config.clip.image_size, captioner.encoder.config.context_length
@@ -136,8 +124,7 @@ def main(argv=None):
     train_model = torch.compile(captioner) if cfg.compile else captioner
 
     def loss_fn(batch):
-        before, after, ids = (t.flatten(0, 1) for t in batch)  # change and distractor pairs in one batch
-        return caption_loss(train_model(before, after, ids), ids)
+        return train_model(*(t.flatten(0, 1) for t in batch))  # change and distractor pairs in one batch
 
     def validate():
         preds = predict(captioner, val_items, cfg, device, cache)

@@ -314,8 +314,10 @@ class Captioner(nn.Module):
                 nn.init.xavier_uniform_(attn.in_proj_weight)
 
     def new_parameter_names(self):
-        """The captioning model proper, learned from scratch at the higher rate (Appendix B)."""
-        return {name for name, _ in self.named_parameters() if not name.startswith("encoder.")}
+        """The captioning model, learned at the higher rate (Appendix B). CLIP's word and position
+        embeddings count as its own: here they are the captioner's input and output layer."""
+        word = {"encoder.clip.token_embedding.weight", "encoder.clip.positional_embedding"}
+        return {name for name, _ in self.named_parameters() if not name.startswith("encoder.") or name in word}
 
     def visual_memory(self, before, after):
         """The captioning encoder's per-layer outputs: decoder layer i attends to encoder layer i."""
@@ -338,8 +340,14 @@ class Captioner(nn.Module):
         return y @ self.encoder.clip.token_embedding.weight.t()  # output layer tied to the word embeddings
 
     def forward(self, before, after, ids):
-        """Teacher forcing: logits at position t predict ids[:, t + 1]."""
-        return self.logits(self.decode(ids[:, :-1], self.visual_memory(before, after)))
+        """The word-level cross-entropy of captions `ids` [B, L] (SOT ... EOT, zero padded), by teacher
+        forcing: the state at position t predicts ids[:, t + 1]. Padding after EOT does not count."""
+        length = int((ids == EOT).int().argmax(dim=1).max()) + 1  # drop the columns that are padding everywhere
+        ids = ids[:, :length]
+        y = self.decode(ids[:, :-1], self.visual_memory(before, after))
+        real = torch.cumsum(ids == EOT, dim=1)[:, :-1] == 0  # targets up to and including EOT
+        # The vocabulary projection is the costliest layer: apply it to real targets only.
+        return F.cross_entropy(self.logits(y[real]).float(), ids[:, 1:][real])
 
     @torch.no_grad()
     def generate(self, before, after, max_len=None, use_cache=True):

@@ -1,6 +1,6 @@
 import torch
 
-from caption import caption_loss, ids_to_text
+from caption import ids_to_text
 from model import EOT, SOT, Captioner, CaptionerConfig
 from tiny import tiny_pair_encoder
 
@@ -12,11 +12,15 @@ def tiny_captioner(max_len=12):
     return Captioner(tiny_pair_encoder(), CaptionerConfig(layers=2, heads=4, ffn=64, max_len=max_len)).eval()
 
 
+def next_token_logits(model, before, after, ids):
+    return model.logits(model.decode(ids, model.visual_memory(before, after)))
+
+
 def test_decoder_gives_next_token_logits_for_every_position():
     model = tiny_captioner()
     before, after = torch.randn(2, 3, 3, 32, 32)
     ids = torch.randint(0, 49408, (3, 12))
-    assert model(before, after, ids).shape == (3, 11, 49408)
+    assert next_token_logits(model, before, after, ids).shape == (3, 12, 49408)
     assert len(model.visual_memory(before, after)) == 2  # one memory per encoder layer, read by decoder layer i
 
 
@@ -26,7 +30,7 @@ def test_decoder_is_causal():
     ids = torch.randint(0, 49408, (2, 12))
     changed = ids.clone()
     changed[:, 7:] = torch.randint(0, 49408, (2, 5))
-    a, b = model(before, after, ids), model(before, after, changed)
+    a, b = next_token_logits(model, before, after, ids), next_token_logits(model, before, after, changed)
     torch.testing.assert_close(a[:, :6], b[:, :6])
     assert (a[:, 6:] - b[:, 6:]).abs().max() > 1e-3
 
@@ -54,14 +58,16 @@ def test_generation_stops_each_row_at_eot():
     assert ids.tolist() == [[SOT, EOT], [SOT, EOT]]
 
 
-def test_caption_loss_ignores_padding_after_eot():
-    ids = torch.tensor([[SOT, 320, 1125, EOT, 0, 0]])
-    logits = torch.randn(1, 5, 49408)
-    loss = caption_loss(logits, ids)
-    expected = torch.nn.functional.cross_entropy(logits[0, :3], ids[0, 1:4])
-    torch.testing.assert_close(loss, expected)
-    logits[0, 3:] = torch.randn(2, 49408)
-    torch.testing.assert_close(caption_loss(logits, ids), expected)
+def test_caption_loss_is_the_cross_entropy_of_real_tokens_only():
+    model = tiny_captioner()
+    before, after = torch.randn(2, 2, 3, 32, 32)
+    ids = torch.tensor([[SOT, 320, 1125, EOT, 0, 0, 0], [SOT, 518, 2442, 11331, 1069, EOT, 0]])
+    logits = next_token_logits(model, before, after, ids[:, :-1])
+    expected = torch.nn.functional.cross_entropy(torch.cat([logits[0, :3], logits[1, :5]]),
+                                                 torch.cat([ids[0, 1:4], ids[1, 1:6]]))
+    torch.testing.assert_close(model(before, after, ids), expected, rtol=1e-5, atol=1e-5)
+    padded = torch.cat([ids, torch.zeros(2, 5, dtype=torch.long)], dim=1)  # padding changes nothing
+    torch.testing.assert_close(model(before, after, padded), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_generated_ids_decode_to_the_caption_text():

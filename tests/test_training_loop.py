@@ -5,7 +5,6 @@ import torch
 
 import adapt
 from adapt import AdaptConfig, fit, save_atomic
-from caption import caption_loss
 from model import Captioner, CaptionerConfig
 from tiny import tiny_pair_encoder
 
@@ -34,9 +33,10 @@ def config(tmp_path, **kw):
     return AdaptConfig(out_dir=str(tmp_path), device="cpu", **{**defaults, **kw})
 
 
-def adapt_run(cfg, fail_at=None):
+def run(cfg, make_model, fail_at=None):
+    """Train a fresh model on ToyPairs; the `fail_at`-th step raises, as a killed run would stop."""
     torch.manual_seed(0)
-    model = tiny_pair_encoder()
+    model = make_model()
     calls = []
 
     def loss_fn(batch):
@@ -49,29 +49,17 @@ def adapt_run(cfg, fail_at=None):
     return model
 
 
-def caption_run(cfg, fail_at=None):
-    torch.manual_seed(0)
-    model = Captioner(tiny_pair_encoder(), CaptionerConfig(layers=1, heads=4, ffn=64, max_len=12))
-    calls = []
-
-    def loss_fn(batch):  # dropout is on: the resumed run must restore the RNG too
-        calls.append(1)
-        if len(calls) == fail_at:
-            raise KeyboardInterrupt("killed")
-        before, after, ids = batch
-        return caption_loss(model(before, after, ids), ids)
-
-    fit(cfg, model, loss_fn, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "linear")
-    return model
+def captioner():  # its dropout draws from the global RNG: a resumed run must restore it
+    return Captioner(tiny_pair_encoder(), CaptionerConfig(layers=1, heads=4, ffn=64, max_len=12))
 
 
-@pytest.mark.parametrize("run,workers", [(adapt_run, 0), (adapt_run, 1), (caption_run, 0)])
-def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, run, workers):
-    whole = run(config(tmp_path / "whole", workers=workers))
+@pytest.mark.parametrize("make_model,workers", [(tiny_pair_encoder, 0), (tiny_pair_encoder, 1), (captioner, 0)])
+def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, make_model, workers):
+    whole = run(config(tmp_path / "whole", workers=workers), make_model)
     with pytest.raises(KeyboardInterrupt):
-        run(config(tmp_path / "killed", workers=workers), fail_at=11)  # last.pt holds step 8, mid-epoch 2
+        run(config(tmp_path / "killed", workers=workers), make_model, fail_at=11)  # last.pt: step 8, mid-epoch 2
     assert torch.load(tmp_path / "killed" / "last.pt", weights_only=False)["state"]["step"] == 8
-    resumed = run(config(tmp_path / "killed", workers=workers, resume=True))
+    resumed = run(config(tmp_path / "killed", workers=workers, resume=True), make_model)
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
 
