@@ -2,7 +2,6 @@
 the datasets of both stages, and a synthetic CLEVR-Change for offline runs.
 
     python data.py synth --out data/synth --pairs 2400 --seed 0   # write the offline dataset
-    python data.py bench --root data/synth                        # pairs/s one loader worker delivers
 
 The tokenizer is OpenAI's byte-level BPE, rewritten here; `tokenize` matches `clip.tokenize`.
 """
@@ -16,7 +15,6 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +31,7 @@ from PIL import Image, ImageDraw
 BPE_PATH = Path(__file__).parent / "assets" / "bpe_simple_vocab_16e6.txt.gz"
 BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
 N_MERGES = 49152 - 256 - 2  # vocab 49408 = 256 bytes * 2 (+ '</w>' forms) + merges + SOT + EOT
-SOT, EOT = 49406, 49407
+SOT, EOT = 49406, 49407  # the start- and end-of-text ids
 SPECIAL = ("<|startoftext|>", "<|endoftext|>")
 TOKEN_PATTERN = re.compile(
     r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+""",
@@ -570,32 +568,13 @@ def ensure_synth(root, pairs=2400, seed=0):
     return Path(root)
 
 
-def bench(root, dataset="clevr", sizes=(224, 128), n=300):
-    """Pairs per second one loader worker delivers (decode, resize, normalise both images), and from a cache."""
-    torch.set_num_threads(1)  # as in a DataLoader worker
-    pairs = read_split(dataset, root, "train")[:n]
-    for size in sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, load in (("decoding", load_image), ("ImageCache", ImageCache(pairs, size, Path(tmp) / "c"))):
-                start = time.perf_counter()
-                for p in pairs:
-                    load(p.before, size), load(p.after, size)
-                print(f"{size} px, {name}: {len(pairs) / (time.perf_counter() - start):.0f} pairs/s")
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Write the synthetic CLEVR-Change, or time the image pipeline.")
-    parser.add_argument("command", choices=("synth", "bench"))
-    parser.add_argument("--out", help="synth: the folder to create")
+    parser = argparse.ArgumentParser(description="Write the synthetic CLEVR-Change.")
+    parser.add_argument("command", choices=("synth",))
+    parser.add_argument("--out", required=True, help="the folder to create")
     parser.add_argument("--pairs", type=int, default=2400)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--root", help="bench: a dataset folder")
-    parser.add_argument("--data", default="clevr", choices=("clevr", "spot", "ier", "synth"))
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.perf_counter()
-    if args.command == "synth":
-        write_synth(args.out, args.pairs, args.seed)
-        print(f"wrote {args.pairs} pairs to {args.out} in {time.perf_counter() - start:.0f} s")
-    else:
-        bench(args.root, args.data)
+    write_synth(args.out, args.pairs, args.seed)
+    print(f"wrote {args.pairs} pairs to {args.out} in {time.perf_counter() - start:.0f} s")

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from data import EOT, SOT
+
 
 @dataclass
 class CLIPConfig:  # defaults: ViT-B/32
@@ -247,7 +249,6 @@ def contrastive_loss(v, g, logit_scale):
 # ---------------------------------------------------------------------------------------------
 # Captioner: a Transformer encoder-decoder on the pair encoder's tokens (section 2.4)
 # ---------------------------------------------------------------------------------------------
-SOT, EOT = 49406, 49407  # CLIP's start- and end-of-text token ids
 
 
 @dataclass

@@ -86,3 +86,21 @@ def test_a_few_adaptation_steps_lower_the_loss():
 def test_bad_layer_split_is_refused():
     with pytest.raises(ValueError, match="n_intra=4"):
         tiny_pair_encoder(n_intra=4)
+
+
+def test_openai_init_puts_the_released_weights_under_the_pair_encoder(tmp_path):
+    from adapt import AdaptConfig, build_model
+    from model import CLIPConfig
+    from openai_reference import random_state_dict
+
+    config = CLIPConfig(embed_dim=32, image_size=32, patch_size=8, vision_width=64, vision_layers=4,
+                        vision_heads=1, text_width=64, text_layers=1, text_heads=1)  # OpenAI's heads are 64 wide
+    sd = random_state_dict(config, seed=1)
+    torch.save(sd, tmp_path / "clip.pt")
+    model = build_model(AdaptConfig(init="openai", clip=str(tmp_path / "clip.pt"), n_intra=3, n_inter=1))
+    assert model.config.n_intra == 3 and model.config.context_length == 32
+    ours = model.clip.state_dict()
+    for key in ("visual.conv1.weight", "visual.transformer.resblocks.3.attn.in_proj_weight", "token_embedding.weight"):
+        assert torch.equal(ours[key], sd[key].float())
+    with pytest.raises(ValueError, match="must equal the 4 vision layers"):
+        build_model(AdaptConfig(init="openai", clip=str(tmp_path / "clip.pt"), n_intra=9, n_inter=3))
