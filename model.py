@@ -162,6 +162,8 @@ class CLIP(nn.Module):
 
     def encode_text(self, tokens):
         """Tokens [B, L] with L <= context_length; the EOT token (the largest id) pools the sentence."""
+        # Attention is causal, so the padding after the last EOT cannot reach any EOT: skip it.
+        tokens = tokens[:, :int(tokens.argmax(dim=-1).max()) + 1]
         x = self.token_embedding(tokens) + self.positional_embedding[:tokens.shape[1]]
         x = self.ln_final(self.transformer(x))
         return x[torch.arange(x.shape[0]), tokens.argmax(dim=-1)] @ self.text_projection
@@ -321,8 +323,11 @@ class Captioner(nn.Module):
         return {name for name, _ in self.named_parameters() if not name.startswith("encoder.") or name in word}
 
     def visual_memory(self, before, after):
-        """The captioning encoder's per-layer outputs: decoder layer i attends to encoder layer i."""
-        x, memories = self.encoder.encode_pair(before, after), []
+        """The captioning encoder's per-layer outputs on the pair's tokens F'(X1, X2)."""
+        return self.encode_tokens(self.encoder.encode_pair(before, after))
+
+    def encode_tokens(self, x):
+        memories = []  # decoder layer i attends to the output of encoder layer i
         for layer in self.enc_layers:
             x = layer(x)
             memories.append(x)
