@@ -69,9 +69,9 @@ SYNTH_DEFAULTS = dict(preset="small", init="random", n_intra=3, n_inter=1, epoch
 # ---------------------------------------------------------------------------------------------
 # Shared training machinery (caption.py uses these too)
 # ---------------------------------------------------------------------------------------------
-def parse_config(config_cls, synth_defaults, stage, argv=None):
+def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None):
     """Every dataclass field becomes a flag; `--data synth` first applies `synth_defaults`."""
-    parser = argparse.ArgumentParser(description=__doc__ if stage == "adapt" else None)
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(config_cls):
         if f.type is bool or f.type == "bool":
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None)
@@ -88,10 +88,10 @@ def parse_config(config_cls, synth_defaults, stage, argv=None):
     return cfg
 
 
-def start_run(config_cls, synth_defaults, stage, argv=None):
+def start_run(config_cls, synth_defaults, stage, argv=None, doc=None):
     """The first steps of both stages: flags, log format, seeds, device."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = parse_config(config_cls, synth_defaults, stage, argv)
+    cfg = parse_config(config_cls, synth_defaults, stage, argv, doc)
     print(f"config: {asdict(cfg)}")
     seed_everything(cfg.seed)
     device, _, _ = setup_device(cfg)
@@ -360,7 +360,7 @@ def rsum(metrics):
 
 
 def main(argv=None):
-    cfg, device = start_run(AdaptConfig, SYNTH_DEFAULTS, "adapt", argv)
+    cfg, device = start_run(AdaptConfig, SYNTH_DEFAULTS, "adapt", argv, __doc__)
     model = build_model(cfg).to(device)
     print(f"pair encoder: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{model.config.n_intra} intra + {model.config.n_inter} inter layers")

@@ -114,7 +114,7 @@ def blind_baseline(train_pairs, items):
 
 
 def main(argv=None):
-    cfg, device = start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv)
+    cfg, device = start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv, __doc__)
     captioner = build_captioner(cfg, device)
     print(f"captioner: {sum(p.numel() for p in captioner.parameters()) / 1e6:.2f}M parameters")
     image_size, context = captioner.encoder.config.clip.image_size, captioner.encoder.config.context_length
