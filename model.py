@@ -251,8 +251,6 @@ def contrastive_loss(v, g, logit_scale):
 # ---------------------------------------------------------------------------------------------
 # Captioner: a Transformer encoder-decoder on the pair encoder's tokens (section 2.4)
 # ---------------------------------------------------------------------------------------------
-
-
 @dataclass
 class CaptionerConfig:  # Appendix B: 3 + 3 layers, 8 heads, hidden 512 (= CLIP's embed_dim), dropout 0.1
     layers: int = 3
