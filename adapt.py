@@ -9,6 +9,7 @@ precision, parameter groups, the learning-rate schedule, atomic checkpoints, res
 """
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -47,6 +48,7 @@ class AdaptConfig:  # defaults: Appendix B and the authors' code
     lr: float = 1e-4  # the new parameters (e1, e2, pair position embedding, LayerNorm)
     lr_clip: float = 1e-7  # CLIP's weights
     weight_decay: float = 0.2  # matrices only
+    beta2: float = 0.98  # AdamW's second-moment decay, as CLIP was trained
     warmup: float = 0.1  # fraction of the steps; then cosine decay
     grad_clip: float = 1.0
     seed: int = 42
@@ -94,8 +96,7 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None):
     cfg = parse_config(config_cls, synth_defaults, stage, argv, doc)
     print(f"config: {asdict(cfg)}")
     seed_everything(cfg.seed)
-    device, _, _ = setup_device(cfg)
-    return cfg, device
+    return cfg, setup_device(cfg)
 
 
 def prepare_data(cfg, image_size):
@@ -110,22 +111,26 @@ def prepare_data(cfg, image_size):
 
 
 def setup_device(cfg):
-    """Device, autocast context and grad scaler. bf16 needs no scaler; fp16 does."""
     device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    amp = cfg.amp
+    return device
+
+
+def mixed_precision(device, amp):
+    """Autocast context and grad scaler for `amp`: bf16 needs no scaler, fp16 does."""
     if amp == "auto":
         amp = "off" if device.type != "cuda" else "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     if amp == "off":
-        return device, nullcontext(), None
+        return nullcontext(), None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    return device, torch.autocast(device.type, dtype=dtype), scaler
+    return torch.autocast(device.type, dtype=dtype), scaler
 
 
 def make_optimizer(model, new_names, cfg):
-    """AdamW with two learning rates (new parameters vs CLIP's) and weight decay on matrices only."""
+    """AdamW with two learning rates (new parameters vs CLIP's). Weight decay applies to matrices
+    (embeddings included) but not to biases, LayerNorm gains or single vectors such as e1 and e2."""
     groups = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -134,7 +139,7 @@ def make_optimizer(model, new_names, cfg):
         decay = cfg.weight_decay if p.ndim >= 2 else 0.0
         groups.setdefault((lr, decay), []).append(p)
     param_groups = [dict(params=ps, lr=lr, weight_decay=wd) for (lr, wd), ps in groups.items()]
-    return torch.optim.AdamW(param_groups, betas=(0.9, 0.98), eps=1e-6, fused=True)
+    return torch.optim.AdamW(param_groups, betas=(0.9, cfg.beta2), eps=1e-6, fused=True)
 
 
 def make_schedule(optimizer, total_steps, warmup, decay):
@@ -194,7 +199,7 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if state["cuda"]:
+    if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
@@ -213,88 +218,98 @@ def fit(cfg, model, loss_fn, train_set, validate, new_names, decay, patience=0, 
     """The training loop of both stages.
 
     loss_fn(batch) -> loss; validate() -> (score, metrics) at each epoch's end, higher is better:
-    the best model goes to best.pt. Resumable from last.pt with --resume. Returns the history.
+    the best model goes to best.pt. Resumable from last.pt with --resume. Returns the run's state.
     """
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
-    _, autocast, scaler = setup_device(cfg)
-    sampler = EpochSampler(len(train_set), cfg.seed)
-    loader = make_loader(train_set, cfg, device, sampler)
+    autocast, scaler = mixed_precision(device, cfg.amp)
     steps_per_epoch = len(train_set) // cfg.batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_set)} training samples are fewer than one batch of {cfg.batch_size}")
-    total = cfg.epochs * steps_per_epoch if not cfg.max_steps else min(cfg.max_steps, cfg.epochs * steps_per_epoch)
+    total = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
+    sampler = EpochSampler(len(train_set), cfg.seed)
+    loader = make_loader(train_set, cfg, device, sampler)
     optimizer = make_optimizer(model, new_names, cfg)
     schedule = make_schedule(optimizer, total, cfg.warmup, decay)
-    state = dict(step=0, best=-math.inf, best_epoch=-1, history=[])
+    run = dict(model=model, optimizer=optimizer, schedule=schedule, scaler=scaler)  # all that last.pt restores
+    state = dict(step=0, best=-math.inf, best_epoch=0, history=[], stopped=False)
     if cfg.resume and (out / "last.pt").exists():
-        ckpt = torch.load(out / "last.pt", map_location=device, weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        schedule.load_state_dict(ckpt["schedule"])
-        if scaler is not None and ckpt["scaler"]:
-            scaler.load_state_dict(ckpt["scaler"])
-        state = ckpt["state"]
-        set_rng_state(ckpt["rng"])
-        print(f"resumed from {out / 'last.pt'} at step {state['step']}")
+        state = resume(out / "last.pt", run, cfg)
 
     def checkpoint():
-        save_atomic(dict(model=model.state_dict(), optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),
-                         scaler=scaler.state_dict() if scaler else None, state=state, rng=rng_state(),
+        save_atomic(dict(**{k: v.state_dict() for k, v in run.items() if v is not None}, state=state, rng=rng_state(),
                          config=asdict(cfg), model_config=asdict(model_config_of(model))), out / "last.pt")
 
-    start, t0, pairs_seen = state["step"], time.time(), 0
-    while state["step"] < total:
-        epoch, done_in_epoch = divmod(state["step"], steps_per_epoch)
-        sampler.set_epoch(epoch, skip=done_in_epoch * cfg.batch_size)
+    def train_step(batch):
+        with autocast:
+            loss = loss_fn(batch)
+        optimizer.zero_grad(set_to_none=True)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        schedule.step()
+        if after_step:
+            after_step()
+        return loss
+
+    def end_of_epoch(epoch):
+        score, metrics = validate()
+        state["history"].append(dict(epoch=epoch, step=state["step"], score=score, val=metrics))
+        print(f"epoch {epoch} val score {score:.2f} (best {max(score, state['best']):.2f})", flush=True)
+        if score > state["best"]:
+            state["best"], state["best_epoch"] = score, epoch
+            save_atomic(dict(model=model.state_dict(), config=asdict(cfg),
+                             model_config=asdict(model_config_of(model))), out / "best.pt")
+        if patience and epoch - state["best_epoch"] >= patience:
+            print(f"early stop: no better val score for {patience} epochs")
+            state["stopped"] = True
+        checkpoint()
+
+    first_step, t0, pairs_seen = state["step"], time.time(), 0
+    while state["step"] < total and not state["stopped"]:
+        epoch, done = divmod(state["step"], steps_per_epoch)
+        sampler.set_epoch(epoch, skip=done * cfg.batch_size)
         model.train()
-        for batch in loader:
+        for batch in itertools.islice(loader, min(steps_per_epoch - done, total - state["step"])):
             batch = [t.to(device, non_blocking=True) for t in batch]
             pairs_seen += batch[0].shape[:-3].numel()  # images are [..., 3, H, W]
-            with autocast:
-                loss = loss_fn(batch)
-            optimizer.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-            else:
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            schedule.step()
-            if after_step:
-                after_step()
+            loss = train_step(batch)
             state["step"] += 1
-            step = state["step"]
+            step, elapsed = state["step"], time.time() - t0
             if step % cfg.log_every == 0 or step == total:
-                elapsed = time.time() - t0
-                rate = pairs_seen / elapsed
                 extra = "".join(f" {k} {v}" for k, v in (log_extra() if log_extra else {}).items())
                 print(f"epoch {epoch + 1}/{cfg.epochs} step {step}/{total} loss {loss.item():.4f} "
-                      f"lr {max(schedule.get_last_lr()):.2e}{extra} pairs/s {rate:.1f} "
-                      f"eta {format_eta((total - step) * elapsed / (step - start))}", flush=True)
-            if step % cfg.save_every == 0:
+                      f"lr {max(schedule.get_last_lr()):.2e}{extra} pairs/s {pairs_seen / elapsed:.1f} "
+                      f"eta {format_eta((total - step) * elapsed / (step - first_step))}", flush=True)
+            if step % cfg.save_every == 0 and step % steps_per_epoch != 0:  # epoch ends save after validating
                 checkpoint()
-            if step >= total or step % steps_per_epoch == 0:
-                break
-        if state["step"] % steps_per_epoch == 0 or state["step"] >= total:
-            score, metrics = validate()
-            state["history"].append(dict(epoch=epoch + 1, step=state["step"], score=score, val=metrics))
-            print(f"epoch {epoch + 1} val score {score:.2f} (best {max(score, state['best']):.2f})", flush=True)
-            if score > state["best"]:
-                state["best"], state["best_epoch"] = score, epoch + 1
-                save_atomic(dict(model=model.state_dict(), config=asdict(cfg),
-                                 model_config=asdict(model_config_of(model))), out / "best.pt")
-            checkpoint()
-            if patience and epoch + 1 - state["best_epoch"] >= patience:
-                print(f"early stop: no better val score for {patience} epochs")
-                break
+        end_of_epoch(epoch + 1)
     return state
+
+
+# Settings that fix the sequence of batches and learning rates: a resumed run must keep them.
+RESUME_FIXED = ("data", "batch_size", "epochs", "max_steps", "seed", "lr", "lr_clip", "warmup")
+
+
+def resume(path, run, cfg):
+    """Restore model, optimiser, schedule, grad scaler and RNG from last.pt; return the loop's state."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)  # our own file, with Python RNG state
+    changed = {k: (ckpt["config"][k], getattr(cfg, k)) for k in RESUME_FIXED if ckpt["config"][k] != getattr(cfg, k)}
+    if changed:
+        raise ValueError(f"{path} was written with other settings (saved, now): {changed}; resume with the same flags")
+    for name, obj in run.items():
+        if obj is not None:
+            obj.load_state_dict(ckpt[name])
+    set_rng_state(ckpt["rng"])
+    print(f"resumed from {path} at step {ckpt['state']['step']}")
+    return ckpt["state"]
 
 
 def model_config_of(model):
@@ -308,8 +323,10 @@ def pair_encoder_from_config(model_config):
 
 
 def load_pair_encoder(path, device="cpu"):
-    """The CLIP4IDC pair encoder saved by a stage-1 run (its best.pt or last.pt)."""
+    """The CLIP4IDC pair encoder in a stage-1 run's best.pt."""
     ckpt = torch.load(path, map_location=device, weights_only=True)
+    if "n_intra" not in ckpt.get("config", {}):
+        raise ValueError(f"{path} is not a stage-1 checkpoint: pass the best.pt of an adapt.py run")
     model = pair_encoder_from_config(ckpt["model_config"])
     model.load_state_dict(ckpt["model"])
     return model.to(device)
@@ -319,6 +336,8 @@ def load_pair_encoder(path, device="cpu"):
 # Stage 1
 # ---------------------------------------------------------------------------------------------
 def build_model(cfg):
+    if cfg.preset == "small" and cfg.init == "openai":
+        raise ValueError("the small preset trains from scratch: add --init random, or use --preset vit-b/32")
     if cfg.preset == "small":
         clip_config, clip = SMALL_CLIP, None
     elif cfg.init == "openai":

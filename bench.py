@@ -55,7 +55,7 @@ def decoding(pairs, repeats):
     captioner = Captioner(CLIP4IDC(CLIP4IDCConfig())).eval()
     # Random pair tokens stand in for the pair encoder's output: decoding cost does not depend on them.
     tokens = torch.randn(pairs, captioner.encoder.pair_pos.shape[0], captioner.encoder.config.clip.embed_dim)
-    memories = captioner.encode_tokens(tokens)
+    memories = captioner.encode_visual(tokens)
     cached, recomputed = captioner.greedy(memories, 32, use_cache=True), captioner.greedy(memories, 32, use_cache=False)
     times = {True: [], False: []}
     for _ in range(repeats):

@@ -5,7 +5,9 @@
     python caption.py --data clevr --init_from openai    # no adaptation stage (Table 5)
 
 The pair encoder comes from stage 1 (--init_from, default out/adapt-<data>/best.pt); a Transformer
-encoder-decoder learns the captions with word-level cross-entropy. The best epoch on val CIDEr is
+encoder-decoder learns the captions with word-level cross-entropy. With --init_from openai the new
+pair parameters (e1, e2, pair position embedding) start random and move at --lr_clip only, as in
+the authors' code. The best epoch on val CIDEr is
 scored once on test, next to a blind baseline that writes the most frequent training caption.
 """
 import json
@@ -19,7 +21,8 @@ import data
 import evaluate
 from adapt import (AdaptConfig, build_model, fit, load_pair_encoder, make_loader, pair_encoder_from_config,
                    prepare_data, start_run)
-from model import EOT, Captioner, CaptionerConfig
+from data import EOT
+from model import Captioner, CaptionerConfig, trim_padding
 
 
 @dataclass
@@ -41,6 +44,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     lr: float = 1e-4  # the captioning model, with the word embeddings it shares with CLIP
     lr_clip: float = 1e-7  # the pair encoder
     weight_decay: float = 0.01
+    beta2: float = 0.999  # AdamW's second-moment decay, as the authors' BertAdam
     warmup: float = 0.1  # fraction of the steps; then linear decay
     grad_clip: float = 1.0
     patience: int = 10  # early stopping on val CIDEr, in epochs
@@ -57,7 +61,8 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
 
 
 # The offline default: a small captioner, and a pair encoder that was itself trained from scratch.
-SYNTH_DEFAULTS = dict(heads=4, ffn=512, epochs=6, batch_size=32, lr=5e-4, lr_clip=1e-4, patience=0, workers=1, cache=True)
+SYNTH_DEFAULTS = dict(heads=4, ffn=512, epochs=6, batch_size=32, lr=5e-4, lr_clip=1e-4, patience=0, workers=1,
+                      cache=True)
 
 
 def build_captioner(cfg, device):
@@ -69,17 +74,20 @@ def build_captioner(cfg, device):
             raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run `python adapt.py --data {cfg.data}` "
                                     "first, or pass --init_from PATH (or --init_from openai to skip adaptation)")
         encoder = load_pair_encoder(path)
-    config = CaptionerConfig(layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, dropout=cfg.dropout, max_len=cfg.max_len)
-    return Captioner(encoder, config).to(device)
+    return Captioner(encoder, captioner_config(cfg)).to(device)
+
+
+def captioner_config(cfg):
+    return CaptionerConfig(layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, dropout=cfg.dropout, max_len=cfg.max_len)
 
 
 def load_captioner(path, device="cpu"):
-    """A captioner saved by caption.py (best.pt or last.pt)."""
+    """The captioner in a caption.py run's best.pt."""
     ckpt = torch.load(path, map_location=device, weights_only=True)
-    cfg = CaptionConfig(**ckpt["config"])
+    if "init_from" not in ckpt.get("config", {}):
+        raise ValueError(f"{path} is not a stage-2 checkpoint: pass the best.pt of a caption.py run")
     encoder = pair_encoder_from_config(ckpt["model_config"])
-    config = CaptionerConfig(layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, dropout=cfg.dropout, max_len=cfg.max_len)
-    captioner = Captioner(encoder, config)
+    captioner = Captioner(encoder, captioner_config(CaptionConfig(**ckpt["config"])))
     captioner.load_state_dict(ckpt["model"])
     return captioner.to(device).eval()
 
@@ -101,7 +109,7 @@ def predict(captioner, items, cfg, device, cache=None):
     loader = make_loader(data.EvalDataset(items, size, cache), cfg, device, batch_size=64)
     preds = {}
     for index, before, after in loader:
-        texts = ids_to_text(captioner.generate(before.to(device), after.to(device), cfg.max_len))
+        texts = ids_to_text(captioner.generate(before.to(device), after.to(device)))
         preds.update((items[i].id, text) for i, text in zip(index.tolist(), texts))
     return preds
 
@@ -124,7 +132,8 @@ def main(argv=None):
     train_model = torch.compile(captioner) if cfg.compile else captioner
 
     def loss_fn(batch):
-        return train_model(*(t.flatten(0, 1) for t in batch))  # change and distractor pairs in one batch
+        before, after, ids = (t.flatten(0, 1) for t in batch)  # change and distractor pairs in one batch
+        return train_model(before, after, trim_padding(ids))
 
     def validate():
         preds = predict(captioner, val_items, cfg, device, cache)
@@ -136,8 +145,9 @@ def main(argv=None):
     captioner.load_state_dict(torch.load(out / "best.pt", map_location=device, weights_only=True)["model"])
     preds = predict(captioner, test_items, cfg, device, cache)
     evaluate.write_predictions(out / "test_predictions.json", preds)
+    blind = blind_baseline(splits["train"], test_items)
     results = {"test": evaluate.score_items(test_items, preds),
-               "blind_baseline": {"test": evaluate.score_items(test_items, blind_baseline(splits["train"], test_items))}}
+               "blind_baseline": {"test": evaluate.score_items(test_items, blind)}}
     with open(out / "metrics.json", "w") as f:
         json.dump(results, f, indent=2)
     print("test split, this model:")

@@ -40,20 +40,13 @@ TOKEN_PATTERN = re.compile(
 
 def bytes_to_unicode():
     """Map every byte to a printable unicode character, so BPE never sees whitespace or control codes."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return dict(zip(bs, map(chr, cs)))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]  # moved past 255, in order
+    return dict(zip(printable + others, map(chr, printable + list(range(256, 256 + len(others))))))
 
 
 def clean(text):
-    text = ftfy.fix_text(text)
-    text = html.unescape(html.unescape(text)).strip()
+    text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
@@ -68,8 +61,7 @@ class Tokenizer:
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         vocab = list(self.byte_encoder.values())
-        vocab = vocab + [v + "</w>" for v in vocab] + ["".join(m) for m in merges]
-        vocab += list(SPECIAL)
+        vocab += [v + "</w>" for v in vocab] + ["".join(m) for m in merges] + list(SPECIAL)
         self.encoder = {tok: i for i, tok in enumerate(vocab)}
         self.decoder = {i: tok for tok, i in self.encoder.items()}
         self.bpe_ranks = {m: i for i, m in enumerate(merges)}
@@ -160,42 +152,39 @@ def missing(dataset, path, what="not found"):
     return FileNotFoundError(f"{path}: {what}; expected {name}'s layout ({layout}), published at {url}")
 
 
-def read_json(path, dataset):
+def read_json(dataset, *candidates, keys=()):
+    """The JSON of the first existing candidate file; with `keys`, a list of objects that must have them."""
+    path = next((p for p in candidates if p.is_file()), candidates[0])
     if not path.is_file():
         raise missing(dataset, path)
     try:
-        return json.loads(path.read_text())
+        content = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         where = f"line {e.lineno} column {e.colno} (char {e.pos})"
         raise ValueError(f"{path}: malformed JSON at {where}: {e.msg}") from None
-
-
-def read_entries(dataset, candidates, keys):
-    """The list of annotation objects in the first existing candidate file, each checked for `keys`."""
-    path = next((p for p in candidates if p.is_file()), candidates[0])
-    entries = read_json(path, dataset)
-    for n, entry in enumerate(entries if isinstance(entries, list) else [None]):
-        if not (isinstance(entry, dict) and all(k in entry for k in keys)):
-            raise ValueError(f"{path}: entry {n} is not an object with keys {', '.join(keys)}")
-    return entries
+    if keys:
+        for n, entry in enumerate(content if isinstance(content, list) else [None]):
+            if not (isinstance(entry, dict) and all(k in entry for k in keys)):
+                raise ValueError(f"{path}: entry {n} is not an object with keys {', '.join(keys)}")
+    return content
 
 
 def read_clevr(root, split):
-    splits = read_json(root / "splits.json", "clevr")
+    splits = read_json("clevr", root / "splits.json")
     if split not in splits:
         raise ValueError(f"{root / 'splits.json'}: no split {split!r} (it has {', '.join(splits)})")
-    change = read_json(root / "change_captions.json", "clevr")
-    no_change = read_json(root / "no_change_captions.json", "clevr")
-    type_of = {name: kind for kind, names in read_json(root / "type_mapping.json", "clevr").items() for name in names}
+    change, no_change, types = (read_json("clevr", root / f"{name}.json")
+                                for name in ("change_captions", "no_change_captions", "type_mapping"))
+    type_of = {name: kind for kind, names in types.items() for name in names}
     pairs, uncaptioned = [], []
     for i in splits[split]:
-        default = f"CLEVR_default_{i:06d}.png"
+        name, default = f"{i:06d}.png", f"CLEVR_default_{i:06d}.png"
         if not (change.get(default) and no_change.get(default)):
             uncaptioned.append(i)
             continue
-        pairs.append(Pair(f"{i:06d}.png", root / "images" / default, root / "sc_images" / f"CLEVR_semantic_{i:06d}.png",
-                          change[default], type_of.get(f"{i:06d}.png"),
-                          root / "nsc_images" / f"CLEVR_nonsemantic_{i:06d}.png", no_change[default]))
+        pairs.append(Pair(name, root / "images" / default, root / "sc_images" / f"CLEVR_semantic_{name}",
+                          change[default], type_of.get(name), root / "nsc_images" / f"CLEVR_nonsemantic_{name}",
+                          no_change[default]))
     if uncaptioned:  # the published data has a few such ids; the reference loaders cannot use them either
         log.warning("%s %s: skipped %d of %d ids without change or no-change captions (first: %s)", root, split,
                     len(uncaptioned), len(splits[split]), ", ".join(map(str, uncaptioned[:5])))
@@ -203,8 +192,8 @@ def read_clevr(root, split):
 
 
 def read_spot(root, split):
-    entries = read_entries("spot", [root / f"{split}.json", root / "annotations" / f"{split}.json"],
-                           ("img_id", "sentences"))
+    entries = read_json("spot", root / f"{split}.json", root / "annotations" / f"{split}.json",
+                        keys=("img_id", "sentences"))
     images = root / "resized_images" if (root / "resized_images").is_dir() else root / "images"
     sentences = {}  # one img_id may be annotated in several entries: merge them into one pair
     for entry in entries:
@@ -214,8 +203,8 @@ def read_spot(root, split):
 
 def read_ier(root, split):
     split = {"val": "valid"}.get(split, split)
-    entries = read_entries("ier", [root / f"{split}.json", root / "dataset" / "adobe" / f"{split}.json"],
-                           ("img0", "img1", "sents", "uid"))
+    entries = read_json("ier", root / f"{split}.json", root / "dataset" / "adobe" / f"{split}.json",
+                        keys=("img0", "img1", "sents", "uid"))
     return [Pair(e["uid"], root / "images" / e["img0"], root / "images" / e["img1"], e["sents"]) for e in entries]
 
 
@@ -311,46 +300,38 @@ class AdaptDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, pairs, image_size, context_length=32, seed=42, cache=None):
-        self.pairs, self.size, self.context_length, self.seed = pairs, image_size, context_length, seed
-        self.samples = [(p, c) for p, pair in enumerate(pairs) for c in range(len(pair.captions))]
-        self.load = cache or load_image
+        self.samples = [(pair, caption) for pair in pairs for caption in pair.captions]
+        self.size, self.context_length, self.seed, self.load = image_size, context_length, seed, cache or load_image
 
     def __len__(self):
         return len(self.samples)
 
     def __getitem__(self, key):
-        epoch, index = key
-        p, c = self.samples[index]
-        pair = self.pairs[p]
-        swap = pair.distractor is not None and sample_rng(self.seed, epoch, index).random() < 0.5
+        pair, caption = self.samples[key[1]]
+        swap = pair.distractor is not None and sample_rng(self.seed, *key).random() < 0.5
         before = self.load(pair.distractor if swap else pair.before, self.size)
-        return before, self.load(pair.after, self.size), tokenize(pair.captions[c], self.context_length)[0]
+        return before, self.load(pair.after, self.size), tokenize(caption, self.context_length)[0]
 
 
 class CaptionDataset(torch.utils.data.Dataset):
     """Stage 2: one sample per pair; key (epoch, index) -> before [k,3,H,W], after [k,3,H,W], ids [k,L].
 
-    k = 2 where the pair has a distractor: the change pair with one of its captions, then before and
-    distractor with one no-change caption (as CLIP4IDC trains); else k = 1. Flatten k into the batch.
+    k = 2 where the pair has a distractor: the change pair and its no-change pair (see `eval_items`),
+    each with one of its captions, as CLIP4IDC trains; else k = 1. Flatten k into the batch.
     """
 
     def __init__(self, pairs, image_size, context_length=32, seed=42, cache=None):
-        self.pairs, self.size, self.context_length, self.seed = pairs, image_size, context_length, seed
-        self.load = cache or load_image
+        self.pairs = pairs
+        self.size, self.context_length, self.seed, self.load = image_size, context_length, seed, cache or load_image
 
     def __len__(self):
         return len(self.pairs)
 
     def __getitem__(self, key):
-        epoch, index = key
-        pair, rng = self.pairs[index], sample_rng(self.seed, epoch, index)
-        afters, texts = [pair.after], [rng.choice(pair.captions)]
-        if pair.distractor:
-            afters.append(pair.distractor)
-            texts.append(rng.choice(pair.distractor_captions))
-        before = self.load(pair.before, self.size).repeat(len(afters), 1, 1, 1)
-        after = torch.stack([self.load(a, self.size) for a in afters])
-        return before, after, tokenize(texts, self.context_length)
+        items, rng = eval_items([self.pairs[key[1]]]), sample_rng(self.seed, *key)
+        before = self.load(items[0].before, self.size).repeat(len(items), 1, 1, 1)
+        after = torch.stack([self.load(item.after, self.size) for item in items])
+        return before, after, tokenize([rng.choice(item.captions) for item in items], self.context_length)
 
 
 class EvalDataset(torch.utils.data.Dataset):
@@ -542,19 +523,19 @@ def write_synth(out, n_pairs, seed):
         (tmp / folder).mkdir(parents=True)
     for i in range(n_pairs):
         scene, captions, no_change = synth_pair(i, seed)
+        distractor_camera = scene["distractor_camera"]
         name = f"{i:06d}.png"
         for folder, prefix, objects, camera in (("images", "default", scene["before"], SAME_CAMERA),
                                                 ("sc_images", "semantic", scene["after"], SAME_CAMERA),
-                                                ("nsc_images", "nonsemantic", scene["before"], scene["distractor_camera"])):
+                                                ("nsc_images", "nonsemantic", scene["before"], distractor_camera)):
             render(objects, camera).save(tmp / folder / f"CLEVR_{prefix}_{name}", compress_level=1)
         files["change_captions"][f"CLEVR_default_{name}"] = captions
         files["no_change_captions"][f"CLEVR_default_{name}"] = no_change
         files["type_mapping"][scene["change_type"]].append(name)
         files["scenes"][name] = scene
     n_eval = min(200, n_pairs // 10)
-    n_train = n_pairs - 2 * n_eval
-    files["splits"] = {"train": list(range(n_train)), "val": list(range(n_train, n_train + n_eval)),
-                       "test": list(range(n_train + n_eval, n_pairs))}
+    ends = (0, n_pairs - 2 * n_eval, n_pairs - n_eval, n_pairs)
+    files["splits"] = {split: list(range(a, b)) for split, a, b in zip(("train", "val", "test"), ends, ends[1:])}
     for name, content in files.items():
         (tmp / f"{name}.json").write_text(json.dumps(content))
     tmp.rename(out)

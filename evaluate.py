@@ -46,8 +46,9 @@ def retrieval_metrics(sim, text_pair):
     """IP-T and T-IP scores from sim [n_pairs, n_texts] (tensor or array); text_pair[j] is the pair
     that caption j describes.
 
-    T-IP ranks every caption's own pair among all pairs. IP-T ranks a pair's best-ranked own caption
-    among all captions: a pair has several correct captions and retrieving any of them is a hit.
+    T-IP ranks every caption's own pair among all pairs. IP-T, as the authors' code scores it, ranks
+    each pair's best own caption against the best caption of every other pair: a pair has several
+    correct captions and retrieving any of them is a hit.
     """
     if hasattr(sim, "detach"):
         sim = sim.detach().float().cpu().numpy()
@@ -59,15 +60,17 @@ def retrieval_metrics(sim, text_pair):
     # A diverged model's NaNs would compare False everywhere and earn rank 1.
     if not np.isfinite(sim).all():
         raise ValueError("similarities contain NaN or inf")
-    own = text_pair[None, :] == np.arange(n_pairs)[:, None]  # own[i, j]: caption j describes pair i
-    if not own.any(axis=1).all():
-        raise ValueError(f"pairs without any caption: {np.flatnonzero(~own.any(axis=1))[:5].tolist()}")
+    uncaptioned = np.flatnonzero(np.bincount(text_pair, minlength=n_pairs) == 0)
+    if len(uncaptioned):
+        raise ValueError(f"pairs without any caption: {uncaptioned[:5].tolist()}")
     # Ties count against the model: rank = 1 + number of competitors scoring >= the true match.
     # Otherwise a constant-score model would rank everything first.
     true_score = sim[text_pair, np.arange(n_texts)]
-    text_to_pair = 1 + ((sim >= true_score[None, :]) & ~own).sum(axis=0)
-    best_own = np.where(own, sim, -np.inf).max(axis=1)
-    pair_to_text = 1 + ((sim >= best_own[:, None]) & ~own).sum(axis=1)
+    text_to_pair = (sim >= true_score[None, :]).sum(axis=0)  # the own pair is one of those counted
+    order = np.argsort(text_pair, kind="stable")
+    starts = np.searchsorted(text_pair[order], np.arange(n_pairs))
+    best = np.maximum.reduceat(sim[:, order], starts, axis=1)  # best[i, k]: pair i and pair k's closest caption
+    pair_to_text = (best >= np.diag(best)[:, None]).sum(axis=1)
     return {"pair_to_text": rank_summary(pair_to_text), "text_to_pair": rank_summary(text_to_pair)}
 
 

@@ -42,36 +42,33 @@ class Attention(nn.Module):
     the keys/values of earlier decoding steps, so greedy decoding feeds one new token per step.
     """
 
-    def __init__(self, width, heads):
+    def __init__(self, width, heads, dropout=0.0):
         super().__init__()
-        self.heads = heads
-        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
+        self.heads, self.dropout = heads, dropout
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))  # initialised by the owning model
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
         self.out_proj = nn.Linear(width, width)
         self.keep_map = False  # set True to keep the attention weights in `self.map` (for figures)
         self.map = None
 
     def forward(self, x, memory=None, causal=False, cache=None):
-        if memory is None:
+        cache = {} if cache is None else cache
+        if memory is None:  # self-attention: new keys/values extend those of earlier steps
             q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
-        else:
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
+        else:  # cross-attention: the memory's keys/values are computed once
             w_q, w_kv = self.in_proj_weight.split([x.shape[-1], 2 * x.shape[-1]])
             b_q, b_kv = self.in_proj_bias.split([x.shape[-1], 2 * x.shape[-1]])
             q = F.linear(x, w_q, b_q)
-            if cache is not None and "k" in cache:  # the memory's keys/values never change
-                k, v = cache["k"], cache["v"]
-            else:
-                k, v = F.linear(memory, w_kv, b_kv).chunk(2, dim=-1)
-        if memory is None and cache is not None and "k" in cache:
-            k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
-        if cache is not None:
-            cache["k"], cache["v"] = k, v
+            k, v = (cache["k"], cache["v"]) if "k" in cache else F.linear(memory, w_kv, b_kv).chunk(2, dim=-1)
+        cache["k"], cache["v"] = k, v
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
-        # With a cache, the single new query may look at every cached key: no mask needed.
-        causal = causal and q.shape[2] > 1
-        if self.keep_map:
+        causal = causal and q.shape[2] > 1  # one new query may see every cached key: no mask needed
+        if self.keep_map:  # unmasked weights: only the vision tower's are ever drawn
             self.map = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1).detach()
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        dropout = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
         return self.out_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -130,6 +127,11 @@ class VisionTransformer(nn.Module):
         return self.ln_post(x[:, 0]) @ self.proj
 
 
+def trim_padding(tokens):
+    """Drop the columns after the last EOT of the batch: they hold padding only."""
+    return tokens[:, :int((tokens == EOT).int().argmax(dim=1).max()) + 1]
+
+
 class CLIP(nn.Module):
     def __init__(self, config: CLIPConfig):
         super().__init__()
@@ -162,8 +164,7 @@ class CLIP(nn.Module):
 
     def encode_text(self, tokens):
         """Tokens [B, L] with L <= context_length; the EOT token (the largest id) pools the sentence."""
-        # Attention is causal, so the padding after the last EOT cannot reach any EOT: skip it.
-        tokens = tokens[:, :int(tokens.argmax(dim=-1).max()) + 1]
+        tokens = trim_padding(tokens)  # attention is causal: padding never reaches an EOT
         x = self.token_embedding(tokens) + self.positional_embedding[:tokens.shape[1]]
         x = self.ln_final(self.transformer(x))
         return x[torch.arange(x.shape[0]), tokens.argmax(dim=-1)] @ self.text_projection
@@ -241,11 +242,12 @@ class CLIP4IDC(nn.Module):
 
 def contrastive_loss(v, g, logit_scale):
     """Eq. 6-8: cross-entropy over the B x B cosine similarities s(v, g) / tau, both directions."""
-    logits = logit_scale.exp() * F.normalize(v, dim=-1) @ F.normalize(g, dim=-1).t()
+    with torch.autocast(v.device.type, enabled=False):  # logits near 1/tau = 100 need fp32, not bf16
+        logits = logit_scale.exp() * F.normalize(v.float(), dim=-1) @ F.normalize(g.float(), dim=-1).t()
     labels = torch.arange(len(logits), device=logits.device)
     loss_i2t = F.cross_entropy(logits, labels)  # IP-T, Eq. 6
     loss_t2i = F.cross_entropy(logits.t(), labels)  # T-IP, Eq. 7
-    return loss_i2t + loss_t2i
+    return loss_i2t + loss_t2i  # Eq. 8 sums the two (the authors' code averages them)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +271,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, width, c: CaptionerConfig):
         super().__init__()
-        self.attn, self.ln_1 = Attention(width, c.heads), nn.LayerNorm(width)
+        self.attn, self.ln_1 = Attention(width, c.heads, c.dropout), nn.LayerNorm(width)
         self.mlp, self.ln_2 = feed_forward(width, c.ffn), nn.LayerNorm(width)
         self.drop = nn.Dropout(c.dropout)
 
@@ -281,8 +283,8 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, width, c: CaptionerConfig):
         super().__init__()
-        self.self_attn, self.ln_1 = Attention(width, c.heads), nn.LayerNorm(width)
-        self.cross_attn, self.ln_2 = Attention(width, c.heads), nn.LayerNorm(width)
+        self.self_attn, self.ln_1 = Attention(width, c.heads, c.dropout), nn.LayerNorm(width)
+        self.cross_attn, self.ln_2 = Attention(width, c.heads, c.dropout), nn.LayerNorm(width)
         self.mlp, self.ln_3 = feed_forward(width, c.ffn), nn.LayerNorm(width)
         self.drop = nn.Dropout(c.dropout)
 
@@ -305,11 +307,15 @@ class Captioner(nn.Module):
             raise ValueError(f"max_len={c.max_len} exceeds the text positions ({encoder.config.context_length})")
         width = clip_config.embed_dim
         self.encoder = encoder  # the (adapted) pair encoder; its text tower lends the word embeddings
-        for p in encoder.clip.transformer.parameters():
-            p.requires_grad_(False)  # CLIP's text transformer plays no part in captioning
+        for name, p in encoder.clip.named_parameters():
+            if not name.startswith("visual.") and name not in ("token_embedding.weight", "positional_embedding"):
+                p.requires_grad_(False)  # the rest of CLIP's text tower plays no part in captioning
         self.ln_embed, self.drop = nn.LayerNorm(width), nn.Dropout(c.dropout)
         self.enc_layers = nn.ModuleList([EncoderLayer(width, c) for _ in range(c.layers)])
         self.dec_layers = nn.ModuleList([DecoderLayer(width, c) for _ in range(c.layers)])
+        # The prediction head of the authors' BERT-style decoder, before the tied word embeddings.
+        self.head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
+        self.head_bias = nn.Parameter(torch.zeros(clip_config.vocab_size))
         for layer in [*self.enc_layers, *self.dec_layers]:
             for attn in (m for m in layer.modules() if isinstance(m, Attention)):
                 nn.init.xavier_uniform_(attn.in_proj_weight)
@@ -322,9 +328,9 @@ class Captioner(nn.Module):
 
     def visual_memory(self, before, after):
         """The captioning encoder's per-layer outputs on the pair's tokens F'(X1, X2)."""
-        return self.encode_tokens(self.encoder.encode_pair(before, after))
+        return self.encode_visual(self.encoder.encode_pair(before, after))
 
-    def encode_tokens(self, x):
+    def encode_visual(self, x):
         memories = []  # decoder layer i attends to the output of encoder layer i
         for layer in self.enc_layers:
             x = layer(x)
@@ -341,21 +347,21 @@ class Captioner(nn.Module):
         return y
 
     def logits(self, y):
-        return y @ self.encoder.clip.token_embedding.weight.t()  # output layer tied to the word embeddings
+        return self.head(y) @ self.encoder.clip.token_embedding.weight.t() + self.head_bias  # tied to the input
 
     def forward(self, before, after, ids):
         """The word-level cross-entropy of captions `ids` [B, L] (SOT ... EOT, zero padded), by teacher
-        forcing: the state at position t predicts ids[:, t + 1]. Padding after EOT does not count."""
-        length = int((ids == EOT).int().argmax(dim=1).max()) + 1  # drop the columns that are padding everywhere
-        ids = ids[:, :length]
+        forcing: the state at position t predicts ids[:, t + 1]. Padding after EOT does not count.
+        Callers may cut `ids` with `trim_padding` first: the vocabulary projection is the costliest layer."""
         y = self.decode(ids[:, :-1], self.visual_memory(before, after))
-        real = torch.cumsum(ids == EOT, dim=1)[:, :-1] == 0  # targets up to and including EOT
-        # The vocabulary projection is the costliest layer: apply it to real targets only.
-        return F.cross_entropy(self.logits(y[real]).float(), ids[:, 1:][real])
+        padding = torch.cumsum(ids == EOT, dim=1)[:, :-1] > 0  # targets after the EOT
+        target = ids[:, 1:].masked_fill(padding, -100)
+        return F.cross_entropy(self.logits(y).flatten(0, 1).float(), target.flatten(), ignore_index=-100)
 
     @torch.no_grad()
     def generate(self, before, after, max_len=None, use_cache=True):
-        """Greedy decoding: [B, <= max_len] ids starting with SOT, each row zero-padded after its EOT."""
+        """Greedy decoding: [B, <= max_len] ids starting with SOT (so at most max_len - 1 steps), each
+        row zero-padded after its EOT."""
         return self.greedy(self.visual_memory(before, after), max_len, use_cache)
 
     @torch.no_grad()

@@ -18,9 +18,9 @@ SIM = np.array([
 #   t0: 0.9 beats all -> 1      t1: 0.2 < p1 0.8, p3 0.5 -> 3    t2: 0.7 tied by p2, p3 -> 3
 #   t3: 0.2 < p1, p3 -> 3       t4: 0.3 tied by p0, p3 -> 3      t5: 0.5 tied by p2 -> 2
 TEXT_TO_PAIR_RANKS = [1, 3, 3, 3, 3, 2]
-# IP-T, a pair's best own caption among the other pairs' captions:
-#   p0: t0 0.9 -> 1    p1: t2 0.7 < t1 0.8 -> 2
-#   p2: best of t3, t4 is 0.3 < t0 0.4, t2 0.7, t5 0.5 -> 4    p3: t5 0.5 tied by t1, < t2, t3 -> 4
+# IP-T, a pair's best own caption against every other pair's best caption:
+#   p0: own 0.9 vs p1 0.5, p2 0.3, p3 0.0 -> 1          p1: own 0.7 < p0 0.8 (t1) -> 2
+#   p2: own 0.3 < p0 0.4, p1 0.7, p3 0.5 -> 4           p3: own 0.5 tied by p0 0.5 (t1), < p1 0.7, p2 0.6 -> 4
 PAIR_TO_TEXT_RANKS = [1, 2, 4, 4]
 
 
@@ -44,8 +44,7 @@ def test_constant_scores_get_the_worst_rank():
     n_pairs, text_pair = 4, [0, 0, 1, 2, 2, 3]
     m = retrieval_metrics(np.zeros((n_pairs, len(text_pair))), text_pair)
     assert m["text_to_pair"]["MdR"] == m["text_to_pair"]["MnR"] == n_pairs
-    # Pair 0 and pair 2 have 2 own captions, so 4 competitors; pairs 1 and 3 have 5.
-    assert m["pair_to_text"]["MnR"] == 1 + (4 + 5 + 4 + 5) / 4
+    assert m["pair_to_text"]["MdR"] == m["pair_to_text"]["MnR"] == n_pairs
     assert m["pair_to_text"]["R@1"] == m["text_to_pair"]["R@1"] == 0.0
 
 
@@ -61,6 +60,13 @@ def test_bad_inputs_are_rejected():
         retrieval_metrics(SIM, [0, 0, 1, 2, 2, 2])
     with pytest.raises(ValueError, match="one pair index"):
         retrieval_metrics(SIM, [0, 0, 1, 2, 2, 4])
+
+
+def test_pair_to_text_ranks_pairs_not_captions():
+    # Pair 0 has 3 captions that all beat pair 1's only caption for pair 1: one competitor, not three.
+    sim = np.array([[0.9, 0.8, 0.7, 0.1], [0.6, 0.6, 0.6, 0.5]])
+    m = retrieval_metrics(sim, [0, 0, 0, 1])
+    assert m["pair_to_text"]["MnR"] == (1 + 2) / 2
 
 
 def test_format_retrieval_prints_both_directions():

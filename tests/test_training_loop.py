@@ -110,3 +110,22 @@ def test_weight_decay_applies_to_matrices_only():
     new = {id(p) for n, p in model.named_parameters() if n in model.new_parameter_names()}
     for group in opt.param_groups:
         assert all((id(p) in new) == (group["lr"] == 1e-4) for p in group["params"])
+
+
+def test_resuming_an_early_stopped_run_trains_no_further(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_pair_encoder()
+    scores = iter([3.0, 1.0, 1.0])
+    cfg = config(tmp_path, epochs=5)
+    fit(cfg, model, lambda b: model(*b), ToyPairs(), lambda: (next(scores), {}), model.new_parameter_names(),
+        "cosine", patience=2)
+    resumed = AdaptConfig(**{**cfg.__dict__, "resume": True})
+    state = fit(resumed, model, lambda b: pytest.fail("trained after an early stop"), ToyPairs(),
+                lambda: pytest.fail("validated after an early stop"), model.new_parameter_names(), "cosine", patience=2)
+    assert state["stopped"] and state["step"] == 3 * 6
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    run(config(tmp_path, epochs=1), tiny_pair_encoder)
+    with pytest.raises(ValueError, match="batch_size"):
+        run(config(tmp_path, epochs=1, batch_size=2, resume=True), tiny_pair_encoder)
