@@ -61,7 +61,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
 
 
 # The offline default: a small captioner, and a pair encoder that was itself trained from scratch.
-SYNTH_DEFAULTS = dict(heads=4, ffn=512, epochs=6, batch_size=32, lr=5e-4, lr_clip=1e-4, patience=0, workers=1,
+SYNTH_DEFAULTS = dict(heads=4, ffn=512, epochs=5, batch_size=32, lr=5e-4, lr_clip=1e-4, patience=0, workers=1,
                       cache=True)
 
 

@@ -352,11 +352,11 @@ class Captioner(nn.Module):
     def forward(self, before, after, ids):
         """The word-level cross-entropy of captions `ids` [B, L] (SOT ... EOT, zero padded), by teacher
         forcing: the state at position t predicts ids[:, t + 1]. Padding after EOT does not count.
-        Callers may cut `ids` with `trim_padding` first: the vocabulary projection is the costliest layer."""
+        Callers may cut `ids` with `trim_padding` first, to spare the decoder the padding columns."""
         y = self.decode(ids[:, :-1], self.visual_memory(before, after))
-        padding = torch.cumsum(ids == EOT, dim=1)[:, :-1] > 0  # targets after the EOT
-        target = ids[:, 1:].masked_fill(padding, -100)
-        return F.cross_entropy(self.logits(y).flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+        real = torch.cumsum(ids == EOT, dim=1)[:, :-1] == 0  # targets up to and including EOT
+        # The vocabulary projection is the costliest layer: apply it to real targets only.
+        return F.cross_entropy(self.logits(y[real]).float(), ids[:, 1:][real])
 
     @torch.no_grad()
     def generate(self, before, after, max_len=None, use_cache=True):
