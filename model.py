@@ -259,6 +259,7 @@ class CaptionerConfig:  # Appendix B: 3 + 3 layers, 8 heads, hidden 512 (= CLIP'
     heads: int = 8
     ffn: int = 2048
     dropout: float = 0.1
+    attn_dropout: float = 0.1  # on the attention weights
     max_len: int = 32
 
 
@@ -271,7 +272,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, width, c: CaptionerConfig):
         super().__init__()
-        self.attn, self.ln_1 = Attention(width, c.heads, c.dropout), nn.LayerNorm(width)
+        self.attn, self.ln_1 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width)
         self.mlp, self.ln_2 = feed_forward(width, c.ffn), nn.LayerNorm(width)
         self.drop = nn.Dropout(c.dropout)
 
@@ -283,8 +284,8 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, width, c: CaptionerConfig):
         super().__init__()
-        self.self_attn, self.ln_1 = Attention(width, c.heads, c.dropout), nn.LayerNorm(width)
-        self.cross_attn, self.ln_2 = Attention(width, c.heads, c.dropout), nn.LayerNorm(width)
+        self.self_attn, self.ln_1 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width)
+        self.cross_attn, self.ln_2 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width)
         self.mlp, self.ln_3 = feed_forward(width, c.ffn), nn.LayerNorm(width)
         self.drop = nn.Dropout(c.dropout)
 
