@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import clip_weights
 import data
 import evaluate
 from model import CLIP4IDC, CLIP4IDCConfig, CLIPConfig
@@ -341,7 +342,6 @@ def build_model(cfg):
     if cfg.preset == "small":
         clip_config, clip = SMALL_CLIP, None
     elif cfg.init == "openai":
-        import clip_weights
         clip = clip_weights.load(cfg.clip)
         clip_config = clip.config
     else:
