@@ -1,18 +1,22 @@
-"""Speed checks: our CLIP against OpenAI's model.py, and the captioner's key/value cache.
+"""Speed checks.
 
-    python bench.py                  # fp32 on CPU, about a minute
-    python bench.py --images 16 --texts 32 --repeats 9
-    python bench.py --data_root data/synth --data synth
+    python bench.py clip                      # our CLIP against OpenAI's model.py (fp32, CPU threads)
+    python bench.py decode                    # greedy decoding with and without the key/value cache
+    python bench.py train --stage 1           # a training step at full ViT-B/32 size: pairs/s, FLOPs, MFU
+    python bench.py train --stage 2 --data_root data/synth --fit_steps 300   # ... and the whole loop on real data
+    python bench.py loader --data_root data/synth   # loader pairs/s by workers, from PNG files and the ImageStore
 
-1. The median time of encode_image and encode_text for our CLIP and OpenAI's, on the same random
-   ViT-B/32 weights, inputs and threads, and the ratio reference / ours (above 1: ours is faster).
-   The two models are timed alternately, so load from other processes slows both alike. OpenAI's
-   code comes from requirements-dev.txt.
-2. Greedy decoding of 32 steps, 64 pairs at once, by the full-size captioner (3 + 3 layers, width 512), with the
-   key/value cache and by recomputing the whole prefix at each step: both times, the speed-up,
-   and whether the two give identical captions.
-3. With --data_root DIR (e.g. data/synth): the image pairs per second one loader worker delivers
-   (decode, resize, normalise both images) at 224 and 128 px, from the files and from an ImageCache.
+clip: the median time of encode_image and encode_text for our CLIP and OpenAI's, on the same random
+ViT-B/32 weights, inputs and threads, and the ratio reference / ours (above 1: ours is faster),
+timed alternately so that load from other processes slows both alike (needs requirements-dev.txt).
+decode: 64 pairs, 31 steps, the full-size captioner (3 + 3 layers, width 512); whether the two
+give identical captions.
+train: the step of adapt.py (stage 1, batch 128) or caption.py (stage 2, 16 change + 16 distractor
+pairs) on random data already on the device, eager and compiled, fp32 and bf16; FLOPs per step
+counted by torch.utils.flop_counter (matrix products and attention, forward and backward); on CUDA
+the model FLOPs utilisation (MFU) against the device's dense bf16 peak. With --data_root, also
+train.fit itself on that dataset (loader, store, optimiser and all) for --fit_steps steps.
+loader: pairs/s of the stage's training batches through a DataLoader, by number of workers.
 """
 import argparse
 import statistics
@@ -21,23 +25,30 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import clip_weights
 import data
-from model import CLIP4IDC, CLIP4IDCConfig, Captioner, CLIPConfig
-from tests.openai_reference import build, random_state_dict
+import train
+from adapt import SMALL_CLIP, AdaptConfig
+from caption import CaptionConfig
+from model import CLIP4IDC, EOT, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
 CAPTIONS = ["the small red metal cube has moved", "there is no change", "a photo of a cat.",
             "the large cyan rubber cylinder that was behind the sphere is missing",
             "someone added a yellow matte ball to the left of the purple block"]
+BF16_PEAK = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, vendor datasheets
 
 
-def seconds(fn, x):
+def seconds(fn, *args):
     start = time.perf_counter()
-    fn(x)
+    fn(*args)
     return time.perf_counter() - start
 
 
+# ---------------------------------------------------------------------------------------------
+# clip, decode
+# ---------------------------------------------------------------------------------------------
 def compare(name, ours, ref, x, repeats):
     for fn in (ours, ref):  # warmup: allocator, thread pool and kernel selection
         fn(x)
@@ -50,54 +61,14 @@ def compare(name, ours, ref, x, repeats):
           f"   ratio {t_ref / t_ours:.2f}")
 
 
-def decoding(pairs, repeats):
-    torch.manual_seed(0)
-    captioner = Captioner(CLIP4IDC(CLIP4IDCConfig())).eval()
-    # Random pair tokens stand in for the pair encoder's output: decoding cost does not depend on them.
-    tokens = torch.randn(pairs, captioner.encoder.pair_pos.shape[0], captioner.encoder.config.clip.embed_dim)
-    memories = captioner.encode_visual(tokens)
-    cached, recomputed = captioner.greedy(memories, 32, use_cache=True), captioner.greedy(memories, 32, use_cache=False)
-    times = {True: [], False: []}
-    for _ in range(repeats):
-        for use_cache in (True, False):
-            start = time.perf_counter()
-            captioner.greedy(memories, 32, use_cache)
-            times[use_cache].append(time.perf_counter() - start)
-    t_cache, t_full = statistics.median(times[True]), statistics.median(times[False])
-    print(f"greedy decoding, {pairs} pairs, {cached.shape[1] - 1} steps: cached {1e3 * t_cache:.1f} ms   "
-          f"recomputed {1e3 * t_full:.1f} ms   speed-up {t_full / t_cache:.2f}   "
-          f"identical captions: {torch.equal(cached, recomputed)}")
-
-
-def loading(dataset, root, sizes=(224, 128), n=300):
-    torch.set_num_threads(1)  # as in a DataLoader worker
-    pairs = data.read_split(dataset, root, "train")[:n]
-    for size in sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            cache = data.ImageCache(pairs, size, Path(tmp) / "cache.pt")
-            for name, load in (("from files", data.load_image), ("from ImageCache", cache)):
-                start = time.perf_counter()
-                for p in pairs:
-                    load(p.before, size), load(p.after, size)
-                print(f"loading {size} px {name}: {len(pairs) / (time.perf_counter() - start):.0f} pairs/s per worker")
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", type=int, default=4)
-    parser.add_argument("--texts", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--pairs", type=int, default=64, help="decoding batch (64 in evaluation)")
-    parser.add_argument("--data_root", help="also time the image loading of this dataset folder")
-    parser.add_argument("--data", default="synth", help="its dataset name, as data.read_split takes it")
-    args = parser.parse_args()
+def bench_clip(args):
+    from tests.openai_reference import build, random_state_dict  # OpenAI's code: a development requirement
 
     sd = random_state_dict(CLIPConfig(), seed=0)
     with tempfile.TemporaryDirectory() as tmp:  # ours goes through the real loading path
         torch.save(sd, Path(tmp) / "vit_b32.pt")
         ours = clip_weights.load(Path(tmp) / "vit_b32.pt")
     ref = build(sd)
-
     torch.manual_seed(0)
     images = torch.randn(args.images, 3, 224, 224)
     tokens = data.tokenize([CAPTIONS[i % len(CAPTIONS)] for i in range(args.texts)])
@@ -105,9 +76,174 @@ def main():
     with torch.inference_mode():
         compare("encode_image", ours.encode_image, ref.encode_image, images, args.repeats)
         compare("encode_text", ours.encode_text, ref.encode_text, tokens, args.repeats)
-        decoding(args.pairs, args.repeats)
+
+
+def bench_decode(args):
+    torch.manual_seed(0)
+    captioner = Captioner(CLIP4IDC(CLIP4IDCConfig())).eval()
+    # Random pair tokens stand in for the pair encoder's output: decoding cost does not depend on them.
+    tokens = torch.randn(args.pairs, captioner.encoder.pair_pos.shape[0], captioner.encoder.config.clip.embed_dim)
+    memories = captioner.encode_visual(tokens)
+    cached, recomputed = captioner.greedy(memories, 32, use_cache=True), captioner.greedy(memories, 32, use_cache=False)
+    times = {True: [], False: []}
+    for _ in range(args.repeats):
+        for use_cache in (True, False):
+            times[use_cache].append(seconds(captioner.greedy, memories, 32, use_cache))
+    t_cache, t_full = statistics.median(times[True]), statistics.median(times[False])
+    print(f"greedy decoding, {args.pairs} pairs, {cached.shape[1] - 1} steps: cached {1e3 * t_cache:.1f} ms   "
+          f"recomputed {1e3 * t_full:.1f} ms   speed-up {t_full / t_cache:.2f}   "
+          f"identical captions: {torch.equal(cached, recomputed)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# train, loader
+# ---------------------------------------------------------------------------------------------
+def stage_model(args):
+    """The stage's model at the paper's size (or the offline preset) and a random batch of its shape."""
+    clip = SMALL_CLIP if args.preset == "small" else CLIPConfig()
+    n_intra = 3 if args.preset == "small" else 9
+    encoder = CLIP4IDC(CLIP4IDCConfig(clip=clip, n_intra=n_intra))
+    size, b = clip.image_size, args.batch
+    lengths = torch.randint(6, 20, (b * (2 if args.stage == 2 else 1),))  # where EOT sits: CLEVR-Change-like
+    ids = torch.randint(1, 40000, (len(lengths), 32))
+    ids[torch.arange(len(lengths)), lengths] = EOT
+    ids[torch.arange(32) > lengths[:, None]] = 0
+    pixels = torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8)
+    if args.stage == 1:
+        return encoder, (pixels, torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8), ids)
+    captioner = Captioner(encoder, CaptionerConfig(heads=4, ffn=512) if args.preset == "small" else CaptionerConfig())
+    return captioner, (pixels, torch.randint(0, 256, (b, 2, 3, size, size), dtype=torch.uint8), ids.view(b, 2, 32))
+
+
+def step_rate(model, batch, device, amp, mode, steps):
+    """Steps per second of forward + backward + AdamW update, after warm-up (and compilation)."""
+    autocast, scaler = train.mixed_precision(device, amp)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7, fused=True)
+    net = torch.compile(model, mode=mode) if mode != "eager" else model
+
+    def step():
+        if mode in ("reduce-overhead", "max-autotune"):  # CUDA graphs: the last step's outputs get overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        with autocast:
+            loss = net(*batch)
+        train.update(model, loss, optimizer, scaler, 1.0)
+
+    for _ in range(3):
+        step()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return steps / (time.perf_counter() - start)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_train(args):
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(0)
+    model, batch = stage_model(args)
+    model, batch = model.to(device).train(), [t.to(device) for t in batch]
+    with FlopCounterMode(display=False) as counter:  # one eager fp32 step: the FLOPs do not depend on precision
+        model(*batch).backward()
+    model.zero_grad(set_to_none=True)
+    flops, pairs = counter.get_total_flops(), batch[1].shape[:-3].numel()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else next((v for k, v in BF16_PEAK.items() if k in name), None)
+    print(f"stage {args.stage}, {args.preset}, batch {args.batch} ({pairs} pairs), {flops / 1e12:.2f} TFLOP per step, "
+          f"on {name}, torch {torch.__version__}")
+    for amp in args.amp:
+        for mode in args.modes:
+            rate = step_rate(model, batch, device, amp, mode, args.steps)
+            mfu = f"   MFU {100 * flops * rate / peak:.1f}% of {peak / 1e12:.0f} TFLOP/s" if peak and amp == "bf16" else ""
+            print(f"  {mode:<15} {amp:<4}  {rate * pairs:9.1f} pairs/s   {flops * rate / 1e12:7.1f} TFLOP/s{mfu}",
+                  flush=True)
     if args.data_root:
-        loading(args.data, args.data_root)
+        fit_rate(args, device)
+
+
+def fit_rate(args, device):
+    """train.fit on real data (with --cache: the ImageStore), validation left out: the printed pairs/s."""
+    pairs = data.read_split(args.data, args.data_root, "train")
+    size = SMALL_CLIP.image_size if args.preset == "small" else 224
+    store = data.ImageStore(pairs, size, args.data_root)
+    torch.manual_seed(0)
+    model = stage_model(args)[0].to(device)
+    config_cls = AdaptConfig if args.stage == 1 else CaptionConfig
+    cfg = config_cls(data=args.data, out_dir=tempfile.mkdtemp(), batch_size=args.batch, amp=args.amp[-1],
+                     compile=args.modes[-1] != "eager", workers=args.workers, log_every=args.fit_steps // 5,
+                     max_steps=args.fit_steps, save_every=10 ** 9, epochs=1)
+    dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, store)
+    dataset = Repeat(dataset, args.fit_steps * args.batch)  # one epoch: fit writes last.pt at each epoch's end
+    print(f"train.fit, {args.fit_steps} steps of {args.batch}, {cfg.amp}, compiled {cfg.compile}, workers "
+          f"{cfg.workers if cfg.workers >= 0 else train.default_workers()} (the first lines include compilation):")
+    train.fit(cfg, model, dataset, lambda: (0.0, {}), model.new_parameter_names(), "cosine")
+
+
+class Repeat(torch.utils.data.Dataset):
+    """`dataset` repeated to n samples."""
+
+    def __init__(self, dataset, n):
+        self.dataset, self.n = dataset, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, key):
+        return self.dataset[(key[0], key[1] % len(self.dataset))]
+
+
+def bench_loader(args):
+    pairs = data.read_split(args.data, args.data_root, "train")
+    size = SMALL_CLIP.image_size if args.preset == "small" else 224
+    store = data.ImageStore(pairs, size, args.data_root)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for source, load in (("PNG files", None), ("ImageStore", store)):
+        dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, load)
+        for workers in args.workers_list:
+            loader = train.make_loader(dataset, args.batch, device, workers, train.EpochSampler(len(dataset), 0, args.batch))
+            batches = iter(loader)
+            next(batches)  # workers started
+            start, n = time.perf_counter(), 0
+            for batch in batches:
+                n += batch[1].shape[:-3].numel()
+                if time.perf_counter() - start > args.seconds:
+                    break
+            print(f"loader, stage {args.stage}, {size} px, {source:<10} {workers:2d} workers: "
+                  f"{n / (time.perf_counter() - start):8.0f} pairs/s", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("clip", "decode", "train", "loader"))
+    parser.add_argument("--images", type=int, default=4, help="clip: images per encode_image call")
+    parser.add_argument("--texts", type=int, default=8, help="clip: texts per encode_text call")
+    parser.add_argument("--repeats", type=int, default=5, help="clip, decode: timed repeats (median)")
+    parser.add_argument("--pairs", type=int, default=64, help="decode: batch (64 in evaluation)")
+    parser.add_argument("--stage", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--preset", choices=("vit-b/32", "small"), default="vit-b/32")
+    parser.add_argument("--batch", type=int, help="train, loader: batch (default: the stage's, 128 or 16)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--amp", nargs="+", default=None, help="train: precisions (default: off bf16)")
+    parser.add_argument("--modes", nargs="+", default=["eager", "default"],
+                        help="train: eager, or torch.compile modes (default, reduce-overhead, max-autotune)")
+    parser.add_argument("--steps", type=int, default=20, help="train: timed steps")
+    parser.add_argument("--peak_tflops", type=float, help="train: the device's dense bf16 peak, for MFU")
+    parser.add_argument("--data", default="synth", help="dataset name, as data.read_split takes it")
+    parser.add_argument("--data_root", help="train: also time train.fit on this dataset; loader: the dataset")
+    parser.add_argument("--fit_steps", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=-1, help="train: loader processes of train.fit")
+    parser.add_argument("--workers_list", type=int, nargs="+", default=[1, 2, 4, 8], help="loader: worker counts")
+    parser.add_argument("--seconds", type=float, default=10, help="loader: time per measurement")
+    args = parser.parse_args()
+    args.batch = args.batch or (128 if args.stage == 1 else 16)
+    args.amp = args.amp or ["off", "bf16"]
+    {"clip": bench_clip, "decode": bench_decode, "train": bench_train, "loader": bench_loader}[args.what](args)
 
 
 if __name__ == "__main__":

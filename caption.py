@@ -7,8 +7,8 @@
 The pair encoder comes from stage 1 (--init_from, default out/adapt-<data>/best.pt); a Transformer
 encoder-decoder learns the captions with word-level cross-entropy. With --init_from openai the new
 pair parameters (e1, e2, pair position embedding) start random and move at --lr_clip only, as in
-the authors' code. The best epoch on val CIDEr is
-scored once on test, next to a blind baseline that writes the most frequent training caption.
+the authors' code. The best epoch on val CIDEr is scored once on test, next to a blind baseline
+that writes the most frequent training caption. Several GPUs through torchrun (see train.py).
 """
 import json
 from collections import Counter
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+import clip_weights
 import data
 import evaluate
-from adapt import (AdaptConfig, build_model, fit, load_pair_encoder, make_loader, pair_encoder_from_config,
-                   prepare_data, start_run)
-from data import EOT
-from model import Captioner, CaptionerConfig, trim_padding
+import train
+from adapt import AdaptConfig, build_model
+from model import CLIP4IDC, Captioner, CaptionerConfig
 
 
 @dataclass
@@ -41,7 +41,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     attn_dropout: float = 0.1
     max_len: int = 32
     epochs: int = 50
-    batch_size: int = 16
+    batch_size: int = 16  # the global batch of pairs, over all processes
     lr: float = 1e-4  # the captioning model, with the word embeddings it shares with CLIP
     lr_clip: float = 1e-7  # the pair encoder
     weight_decay: float = 0.01
@@ -51,11 +51,11 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     patience: int = 10  # early stopping on val CIDEr, in epochs
     seed: int = 42
     max_steps: int = 0
-    cache: bool = False  # keep all images resized in one file (data.ImageCache): for small datasets
+    cache: bool = False  # decode and resize every image once, into a uint8 file beside the data (data.ImageStore)
     amp: str = "auto"
     compile: bool = False
     device: str = "auto"
-    workers: int = 4
+    workers: int = -1  # loader processes (-1: from the machine's cores, see train.default_workers)
     log_every: int = 50
     save_every: int = 1000
     resume: bool = False
@@ -64,7 +64,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
 # The offline default: a small captioner, and a pair encoder that was itself trained from scratch.
 # Attention dropout is off: on a CPU it forces the slow attention kernel, and a short run learns slower with it.
 SYNTH_DEFAULTS = dict(heads=4, ffn=512, attn_dropout=0.0, epochs=6, batch_size=32, lr=5e-4, lr_clip=1e-4, beta2=0.98,
-                      patience=0, workers=1, cache=True)
+                      patience=0, cache=True)
 
 
 def build_captioner(cfg, device):
@@ -75,46 +75,15 @@ def build_captioner(cfg, device):
         if not Path(path).exists():
             raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run `python adapt.py --data {cfg.data}` "
                                     "first, or pass --init_from PATH (or --init_from openai to skip adaptation)")
-        encoder = load_pair_encoder(path)
+        encoder = clip_weights.load_checkpoint(path)
+        if not isinstance(encoder, CLIP4IDC):
+            raise ValueError(f"{path} holds a captioner: --init_from takes the best.pt of an adapt.py run")
     return Captioner(encoder, captioner_config(cfg)).to(device)
 
 
 def captioner_config(cfg):
     return CaptionerConfig(layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, dropout=cfg.dropout,
                            attn_dropout=cfg.attn_dropout, max_len=cfg.max_len)
-
-
-def load_captioner(path, device="cpu"):
-    """The captioner in a caption.py run's best.pt."""
-    ckpt = torch.load(path, map_location=device, weights_only=True)
-    if "init_from" not in ckpt.get("config", {}):
-        raise ValueError(f"{path} is not a stage-2 checkpoint: pass the best.pt of a caption.py run")
-    encoder = pair_encoder_from_config(ckpt["model_config"])
-    captioner = Captioner(encoder, captioner_config(CaptionConfig(**ckpt["config"])))
-    captioner.load_state_dict(ckpt["model"])
-    return captioner.to(device).eval()
-
-
-def ids_to_text(ids):
-    """Caption text of each generated row: the tokens between SOT and EOT."""
-    tokenizer, texts = data.get_tokenizer(), []
-    for row in ids.tolist():
-        row = row[1:]
-        texts.append(tokenizer.decode(row[:row.index(EOT)] if EOT in row else row))
-    return texts
-
-
-@torch.no_grad()
-def predict(captioner, items, cfg, device, cache=None):
-    """Greedy captions for every evaluation item: {item id: caption}."""
-    captioner.eval()
-    size = captioner.encoder.config.clip.image_size
-    loader = make_loader(data.EvalDataset(items, size, cache), cfg, device, batch_size=64)
-    preds = {}
-    for index, before, after in loader:
-        texts = ids_to_text(captioner.generate(before.to(device), after.to(device)))
-        preds.update((items[i].id, text) for i, text in zip(index.tolist(), texts))
-    return preds
 
 
 def blind_baseline(train_pairs, items):
@@ -125,28 +94,27 @@ def blind_baseline(train_pairs, items):
 
 
 def main(argv=None):
-    cfg, device = start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv, __doc__)
+    cfg, device = train.start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv, __doc__)
     captioner = build_captioner(cfg, device)
     print(f"captioner: {sum(p.numel() for p in captioner.parameters()) / 1e6:.2f}M parameters")
     image_size, context = captioner.encoder.config.clip.image_size, captioner.encoder.config.context_length
-    splits, cache = prepare_data(cfg, image_size)
-    train_set = data.CaptionDataset(splits["train"], image_size, context, cfg.seed, cache)
+    splits, store = train.prepare_data(cfg, image_size)
+    train_set = data.CaptionDataset(splits["train"], image_size, context, cfg.seed, store)
     val_items, test_items = data.eval_items(splits["val"]), data.eval_items(splits["test"])
-    train_model = torch.compile(captioner) if cfg.compile else captioner
 
-    def loss_fn(batch):
-        before, after, ids = (t.flatten(0, 1) for t in batch)  # change and distractor pairs in one batch
-        return train_model(before, after, trim_padding(ids))
+    def predict(items):
+        return evaluate.predict(captioner, items, device, store, cfg.amp, cfg.workers)
 
     def validate():
-        preds = predict(captioner, val_items, cfg, device, cache)
-        cider = evaluate.caption_metrics({i.id: i.captions for i in val_items}, preds, only=("CIDEr",))["CIDEr"]
-        return cider, {"CIDEr": cider}
+        cider = evaluate.caption_metrics({i.id: i.captions for i in val_items}, predict(val_items), only=("CIDEr",))
+        return cider["CIDEr"], cider
 
-    fit(cfg, captioner, loss_fn, train_set, validate, captioner.new_parameter_names(), "linear", patience=cfg.patience)
+    train.fit(cfg, captioner, train_set, validate, captioner.new_parameter_names(), "linear", patience=cfg.patience)
+    if train.rank() != 0:
+        return
     out = Path(cfg.out_dir)
     captioner.load_state_dict(torch.load(out / "best.pt", map_location=device, weights_only=True)["model"])
-    preds = predict(captioner, test_items, cfg, device, cache)
+    preds = predict(test_items)
     evaluate.write_predictions(out / "test_predictions.json", preds)
     blind = blind_baseline(splits["train"], test_items)
     results = {"test": evaluate.score_items(test_items, preds),

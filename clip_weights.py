@@ -1,10 +1,11 @@
-"""Load OpenAI's released CLIP ViT weights into model.CLIP (fp32, eval mode).
+"""Weights into the models of model.py: OpenAI's released CLIP ViTs, and this project's checkpoints.
 
     model = clip_weights.load("ViT-B/32")          # downloads once into ~/.cache/clip
     model = clip_weights.load("path/to/ViT-B-32.pt")  # OpenAI's TorchScript archive, or a state dict
+    model = clip_weights.load_checkpoint("out/caption-clevr/best.pt")  # a run of adapt.py or caption.py
 
-Our parameter names are OpenAI's, so the key mapping is the identity; the architecture is read
-off the tensor shapes, which is why ViT-B/16 and ViT-L/14 load as well.
+Our CLIP parameter names are OpenAI's, so that key mapping is the identity; the architecture is
+read off the tensor shapes, which is why ViT-B/16 and ViT-L/14 load as well.
 """
 import hashlib
 import os
@@ -14,11 +15,12 @@ import urllib.error
 import urllib.request
 import warnings
 import zipfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from model import CLIP, CLIPConfig
+from model import CLIP, CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
 MODELS = {  # the SHA-256 of each file is the path component before its name
     "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
@@ -37,11 +39,34 @@ def load(name_or_path, device="cpu", root=CACHE_DIR):
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (known names: {', '.join(MODELS)})")
     sd = read_state_dict(path)
-    with torch.device("meta"):  # every tensor is overwritten below, so skip the random init
-        model = CLIP(config_from_state_dict(sd))
-    model.to_empty(device=device)
+    model = CLIP(config_from_state_dict(sd))
     load_weights(model, sd)
-    return model.eval()
+    return model.to(device).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# this project's checkpoints: best.pt and last.pt of adapt.py and caption.py
+# ---------------------------------------------------------------------------------------------
+def model_config(model):
+    """What rebuilds `model`'s architecture (a CLIP4IDC, or a Captioner on one), saved beside its weights."""
+    if isinstance(model, Captioner):
+        return {"encoder": asdict(model.encoder.config), "captioner": asdict(model.config)}
+    return {"encoder": asdict(model.config)}
+
+
+def model_from_config(config):
+    """An untrained model shaped as `model_config` describes it."""
+    encoder = dict(config["encoder"])
+    encoder = CLIP4IDC(CLIP4IDCConfig(clip=CLIPConfig(**encoder.pop("clip")), **encoder))
+    return Captioner(encoder, CaptionerConfig(**config["captioner"])) if "captioner" in config else encoder
+
+
+def load_checkpoint(path, device="cpu"):
+    """The model of a run's best.pt or last.pt, in eval mode: a CLIP4IDC pair encoder (stage 1) or a Captioner."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    model = model_from_config(ckpt["model_config"])
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import hashlib
 import html
 import json
 import logging
+import multiprocessing
 import os
 import random
 import shutil
@@ -238,12 +239,15 @@ def eval_items(pairs):
 # ---------------------------------------------------------------------------------------------
 # Preprocessing as CLIP4IDC does it, and the datasets of the two stages
 # ---------------------------------------------------------------------------------------------
-MEAN = torch.tensor((0.48145466, 0.4578275, 0.40821073)).view(3, 1, 1)  # CLIP's pre-training statistics
-STD = torch.tensor((0.26862954, 0.26130258, 0.27577711)).view(3, 1, 1)
-
-
 def read_pixels(path, size):
-    """uint8 [3,size,size]: RGB (a gif's first frame), the whole image resized bicubic, no crop."""
+    """uint8 [3,size,size]: RGB (a gif's first frame), the whole image resized bicubic, no crop.
+    The model normalises them (model.VisionTransformer.embed)."""
+    return torch.from_numpy(read_array(path, size))
+
+
+def read_array(path, size):
+    """read_pixels as a numpy array. Pillow and numpy only: the image store's worker processes are
+    forked, and torch's thread pool does not survive a fork."""
     try:
         with Image.open(path) as image:
             image = image.convert("RGB").resize((size, size), Image.BICUBIC)
@@ -251,40 +255,61 @@ def read_pixels(path, size):
         raise
     except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for truncated or unrecognised files
         raise ValueError(f"{path}: cannot read image ({e})") from None
-    return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+    return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
 
 
-def normalise(pixels):
-    return pixels.float().div(255).sub(MEAN).div(STD)
+def format_eta(seconds):
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{s:02d}s"
 
 
-def load_image(path, size):
-    return normalise(read_pixels(path, size))
+class ImageStore:
+    """Every image of `pairs` resized once to `size` px and kept as uint8 in one memory-mapped file,
+    `<folder>/store_<size>px.u8` (3 * size * size bytes an image: 150 KB at 224 px); called like
+    `read_pixels`. Decoding and resizing a PNG costs ~30x more than reading stored pixels (see
+    bench.py), and pages come from disk as they are read, so memory use does not grow with the
+    dataset. The index beside it (`.json`) records each file's size and modification time: another
+    image list, size, or a replaced file rebuilds the store."""
 
-
-class ImageCache:
-    """The pairs' images resized once and kept as uint8 in the file `path`; called like `load_image`.
-
-    Decoding and resizing a 480x320 PNG costs ~20x more than normalising stored pixels (see `bench`):
-    on a small CPU the loader, not the model, would otherwise limit training.
-    """
-
-    def __init__(self, pairs, size, path):
-        path = Path(path)
-        paths = sorted({os.path.abspath(q) for p in pairs for q in (p.before, p.after, p.distractor) if q})
-        stored = torch.load(path) if path.is_file() else {}
-        if stored.get("paths") != paths or stored["pixels"].shape[-1] != size:
-            log.info("caching %d images at %d px in %s", len(paths), size, path)
-            stored = {"paths": paths, "pixels": torch.stack([read_pixels(q, size) for q in paths])}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(stored, f"{path}.tmp")
-            os.replace(f"{path}.tmp", path)  # a killed run leaves no half-written cache
-        self.size, self.pixels, self.index = size, stored["pixels"], {q: i for i, q in enumerate(paths)}
+    def __init__(self, pairs, size, folder):
+        files = sorted({os.path.abspath(q) for p in pairs for q in (p.before, p.after, p.distractor) if q})
+        self.path, self.size, self.pixels = Path(folder) / f"store_{size}px.u8", size, None
+        self.row = {f: i for i, f in enumerate(files)}
+        index, index_path = {"size": size, "files": [[f, *stamp(f)] for f in files]}, self.path.with_suffix(".json")
+        if not (index_path.is_file() and self.path.is_file() and json.loads(index_path.read_text()) == index):
+            index_path.unlink(missing_ok=True)  # the index goes last: it vouches for the pixels
+            build_store(self.path, files, size)
+            index_path.with_suffix(".tmp").write_text(json.dumps(index))
+            os.replace(index_path.with_suffix(".tmp"), index_path)
 
     def __call__(self, path, size):
         if size != self.size:
-            raise ValueError(f"this ImageCache holds {self.size} px images, not {size} px")
-        return normalise(self.pixels[self.index[os.path.abspath(path)]])
+            raise ValueError(f"{self.path} holds {self.size} px images, not {size} px")
+        if self.pixels is None:  # mapped in each process that reads, DataLoader workers included
+            self.pixels = np.memmap(self.path, np.uint8, "r", shape=(len(self.row), 3, size, size))
+        return torch.from_numpy(np.array(self.pixels[self.row[os.path.abspath(path)]]))
+
+
+def stamp(path):
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns
+
+
+def build_store(path, files, size):
+    """Decode and resize `files` on every core into the uint8 file `path`, written whole or not at all."""
+    tmp, start = Path(f"{path}.tmp"), time.time()
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    pixels = np.memmap(tmp, np.uint8, "w+", shape=(len(files), 3, size, size))
+    with multiprocessing.Pool(min(os.cpu_count() or 1, 1 + len(files) // 64)) as pool:
+        for i, image in enumerate(pool.imap(functools.partial(read_array, size=size), files, chunksize=16), 1):
+            pixels[i - 1] = image
+            if i % 2000 == 0 or i == len(files):
+                rate = i / (time.time() - start)
+                log.info("image store %s: %d/%d images, %.0f/s, eta %s", path, i, len(files), rate,
+                         format_eta((len(files) - i) / rate))
+    pixels.flush()
+    del pixels
+    os.replace(tmp, path)
 
 
 def sample_rng(seed, epoch, index):
@@ -296,49 +321,56 @@ class AdaptDataset(torch.utils.data.Dataset):
     """Stage 1: one sample per (pair, caption); key (epoch, index) -> before, after, caption_ids [L].
 
     On CLEVR-Change the before image is the distractor with probability 0.5 and the caption stays,
-    so the pair encoder learns to tell a scene change from a change of viewpoint or light.
+    so the pair encoder learns to tell a scene change from a change of viewpoint or light. Images
+    are uint8; `store` (an ImageStore) serves them instead of the files.
     """
 
-    def __init__(self, pairs, image_size, context_length=32, seed=42, cache=None):
+    def __init__(self, pairs, image_size, context_length=32, seed=42, store=None):
         self.samples = [(pair, caption) for pair in pairs for caption in pair.captions]
-        self.size, self.context_length, self.seed, self.load = image_size, context_length, seed, cache or load_image
+        self.tokens = tokenize([caption for _, caption in self.samples], context_length)  # once, not per epoch
+        self.size, self.seed, self.load = image_size, seed, store or read_pixels
 
     def __len__(self):
         return len(self.samples)
 
     def __getitem__(self, key):
-        pair, caption = self.samples[key[1]]
+        pair = self.samples[key[1]][0]
         swap = pair.distractor is not None and sample_rng(self.seed, *key).random() < 0.5
         before = self.load(pair.distractor if swap else pair.before, self.size)
-        return before, self.load(pair.after, self.size), tokenize(caption, self.context_length)[0]
+        return before, self.load(pair.after, self.size), self.tokens[key[1]]
 
 
 class CaptionDataset(torch.utils.data.Dataset):
-    """Stage 2: one sample per pair; key (epoch, index) -> before [k,3,H,W], after [k,3,H,W], ids [k,L].
+    """Stage 2: one sample per pair; key (epoch, index) -> before [3,H,W], after [k,3,H,W], ids [k,L].
 
     k = 2 where the pair has a distractor: the change pair and its no-change pair (see `eval_items`),
-    each with one of its captions, as CLIP4IDC trains; else k = 1. Flatten k into the batch.
+    sharing the before image, each with one of its captions, as CLIP4IDC trains; else k = 1.
     """
 
-    def __init__(self, pairs, image_size, context_length=32, seed=42, cache=None):
-        self.pairs = pairs
-        self.size, self.context_length, self.seed, self.load = image_size, context_length, seed, cache or load_image
+    def __init__(self, pairs, image_size, context_length=32, seed=42, store=None):
+        self.items, self.rows, captions = [eval_items([pair]) for pair in pairs], [], []
+        for items in self.items:  # rows[i][j]: the rows of self.tokens that hold item j of pair i's captions
+            self.rows.append([])
+            for item in items:
+                self.rows[-1].append(range(len(captions), len(captions) + len(item.captions)))
+                captions += item.captions
+        self.tokens = tokenize(captions, context_length)  # once, not at every epoch
+        self.size, self.seed, self.load = image_size, seed, store or read_pixels
 
     def __len__(self):
-        return len(self.pairs)
+        return len(self.items)
 
     def __getitem__(self, key):
-        items, rng = eval_items([self.pairs[key[1]]]), sample_rng(self.seed, *key)
-        before = self.load(items[0].before, self.size).repeat(len(items), 1, 1, 1)
+        items, rng = self.items[key[1]], sample_rng(self.seed, *key)
         after = torch.stack([self.load(item.after, self.size) for item in items])
-        return before, after, tokenize([rng.choice(item.captions) for item in items], self.context_length)
+        return self.load(items[0].before, self.size), after, self.tokens[[rng.choice(r) for r in self.rows[key[1]]]]
 
 
 class EvalDataset(torch.utils.data.Dataset):
     """Evaluation items (see `eval_items`) -> (index, before, after); the references are items[index].captions."""
 
-    def __init__(self, items, image_size, cache=None):
-        self.items, self.size, self.load = items, image_size, cache or load_image
+    def __init__(self, items, image_size, store=None):
+        self.items, self.size, self.load = items, image_size, store or read_pixels
 
     def __len__(self):
         return len(self.items)

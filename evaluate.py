@@ -1,6 +1,7 @@
-"""Evaluation for CLIP4IDC: IP-T / T-IP retrieval metrics (stage 1), captioning metrics (stage 2)
-with the per-type CIDEr breakdown of CLEVR-Change, and a command line that scores a predictions file
-or runs a trained captioner on one's own image pair (any sizes, any format Pillow reads).
+"""Evaluation for CLIP4IDC: IP-T / T-IP retrieval (stage 1) and greedy captions (stage 2) over a
+split, their metrics with the per-type CIDEr breakdown of CLEVR-Change, and a command line that
+scores a predictions file or runs a trained captioner on one's own image pair (any sizes, any
+format Pillow reads).
 
     python evaluate.py --predictions out/preds.json --data clevr --data_root data/clevr_change --out m.json
     python evaluate.py --ckpt out/caption-synth/best.pt --pair before.png after.jpg
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
@@ -25,12 +27,39 @@ from pycocoevalcap.meteor.meteor import Meteor
 from pycocoevalcap.rouge.rouge import Rouge
 from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
+import clip_weights
 import data
+from data import EOT
+from model import Captioner
+from train import make_loader, mixed_precision
 
 # ---------------------------------------------------------------------------------------------
 # Retrieval: image pair -> text (IP-T) and text -> image pair (T-IP), Tables 6 and 7
 # ---------------------------------------------------------------------------------------------
 RECALL_AT = (1, 5, 10)
+EVAL_BATCH = 64
+
+
+@torch.no_grad()
+def encode_split(model, pairs, device, store=None, amp="auto", workers=-1):
+    """Pooled pair vectors v (Eq. 5) of every pair, caption vectors g of every reference caption,
+    both normalised, and for each caption the index of its pair; under the training's autocast."""
+    model.eval()
+    autocast, _ = mixed_precision(device, amp)
+    loader = make_loader(data.EvalDataset(pairs, model.config.clip.image_size, store), EVAL_BATCH, device, workers)
+    captions = [(i, c) for i, p in enumerate(pairs) for c in p.captions]
+    tokens = data.tokenize([c for _, c in captions], model.config.context_length)
+    with autocast:
+        pair_vecs = [model.pool(model.encode_pair(b.to(device), a.to(device))).float() for _, b, a in loader]
+        text_vecs = [model.encode_text(t.to(device)).float() for t in tokens.split(256)]
+    text_pair = torch.tensor([i for i, _ in captions])
+    return F.normalize(torch.cat(pair_vecs), dim=-1), F.normalize(torch.cat(text_vecs), dim=-1), text_pair
+
+
+def retrieval(model, pairs, device, store=None, amp="auto", workers=-1):
+    """IP-T and T-IP retrieval over all reference captions (Tables 6 and 7), on the change pairs."""
+    v, g, text_pair = encode_split(model, pairs, device, store, amp, workers)
+    return retrieval_metrics((v @ g.t()).cpu(), text_pair)
 
 
 def rank_summary(ranks):
@@ -84,8 +113,31 @@ def format_retrieval(metrics):
 
 
 # ---------------------------------------------------------------------------------------------
-# Captioning: BLEU, METEOR, ROUGE-L, CIDEr-D (Tables 1, 3, 4) and CIDEr by change type (Table 2)
+# Captioning: greedy captions, BLEU, METEOR, ROUGE-L, CIDEr-D (Tables 1, 3, 4), CIDEr by type (Table 2)
 # ---------------------------------------------------------------------------------------------
+def ids_to_text(ids):
+    """Caption text of each generated row: the tokens between SOT and EOT."""
+    tokenizer, texts = data.get_tokenizer(), []
+    for row in ids.tolist():
+        row = row[1:]
+        texts.append(tokenizer.decode(row[:row.index(EOT)] if EOT in row else row))
+    return texts
+
+
+@torch.no_grad()
+def predict(captioner, items, device, store=None, amp="auto", workers=-1):
+    """Greedy captions for every evaluation item: {item id: caption}; under the training's autocast."""
+    captioner.eval()
+    autocast, _ = mixed_precision(device, amp)
+    size = captioner.encoder.config.clip.image_size
+    preds = {}
+    for index, before, after in make_loader(data.EvalDataset(items, size, store), EVAL_BATCH, device, workers):
+        with autocast:
+            ids = captioner.generate(before.to(device), after.to(device))
+        preds.update((items[i].id, text) for i, text in zip(index.tolist(), ids_to_text(ids)))
+    return preds
+
+
 CAPTION_METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr")
 CHANGE_TYPES = ("color", "texture", "move", "add", "drop", "distractor")  # Table 2's column order
 PAPER_TYPE_NAME = {"material": "texture"}  # CLEVR-Change calls the texture change "material"
@@ -196,8 +248,7 @@ HEAT = np.array([[0, 0, 130], [0, 150, 255], [255, 230, 0], [220, 0, 0]], dtype=
 
 
 def caption_pair(captioner, before, after):
-    """The greedy caption of preprocessed images before, after [1, 3, S, S]."""
-    from caption import ids_to_text  # caption.py imports this module
+    """The greedy caption of images before, after [1, 3, S, S] (uint8 pixels or normalised)."""
     return ids_to_text(captioner.generate(before, after))[0]
 
 
@@ -299,11 +350,12 @@ def run_captioner(parser, args):
     for path in args.pair:
         if not Path(path).is_file():
             parser.error(f"no image at {path}")
-    from caption import load_captioner  # caption.py imports this module
-    captioner = load_captioner(args.ckpt)
+    captioner = clip_weights.load_checkpoint(args.ckpt)
+    if not isinstance(captioner, Captioner):
+        parser.error(f"{args.ckpt} holds a stage-1 pair encoder: --pair needs the best.pt of a caption.py run")
     size = captioner.encoder.config.clip.image_size
     try:
-        before, after = (data.load_image(p, size)[None] for p in args.pair)
+        before, after = (data.read_pixels(p, size)[None] for p in args.pair)
     except ValueError as e:  # a file Pillow cannot read: data.read_pixels names it
         parser.error(str(e))
     print(caption_pair(captioner, before, after))

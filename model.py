@@ -11,10 +11,16 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
 from data import EOT, SOT
+
+MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's pre-training pixel statistics
+STD = (0.26862954, 0.26130258, 0.27577711)
+IGNORE = -100  # target id of the padding after a caption's EOT: no loss
 
 
 @dataclass
@@ -64,7 +70,6 @@ class Attention(nn.Module):
             k, v = (cache["k"], cache["v"]) if "k" in cache else F.linear(memory, w_kv, b_kv).chunk(2, dim=-1)
         cache["k"], cache["v"] = k, v
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
-        causal = causal and q.shape[2] > 1  # one new query may see every cached key: no mask needed
         if self.keep_map:  # unmasked weights: only the vision tower's are ever drawn
             self.map = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1).detach()
         dropout = self.dropout if self.training else 0.0
@@ -116,9 +121,22 @@ class VisionTransformer(nn.Module):
         self.ln_post = nn.LayerNorm(c.vision_width)
         self.proj = nn.Parameter(scale * torch.randn(c.vision_width, c.embed_dim))
 
+        # Not in the state dict: OpenAI's files load unchanged.
+        self.register_buffer("mean", torch.tensor(MEAN).view(3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(STD).view(3, 1, 1), persistent=False)
+
     def embed(self, images):
-        """Patchify, prepend the class token, add positions (Eq. 2-3): [B, n+1, width]."""
-        x = self.conv1(images).flatten(2).transpose(1, 2)
+        """Patchify, prepend the class token, add positions (Eq. 2-3): [B, n+1, width].
+
+        `images` are normalised floats, or uint8 pixels that are normalised here: batches then
+        travel to the GPU at a quarter of the bytes, and the GPU does the arithmetic."""
+        if images.dtype == torch.uint8:
+            images = (images.to(self.conv1.weight.dtype) / 255 - self.mean) / self.std
+        # conv1 has stride = kernel = patch: one matrix product over the cut-out patches, which GPUs
+        # run many times faster than a convolution library does this unusual convolution.
+        p = self.conv1.kernel_size[0]
+        patches = images.unflatten(2, (-1, p)).unflatten(4, (-1, p)).permute(0, 2, 4, 1, 3, 5)  # [B, g, g, 3, p, p]
+        x = F.linear(patches.flatten(3).flatten(1, 2), self.conv1.weight.flatten(1))
         cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
         return self.ln_pre(torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype))
 
@@ -127,8 +145,17 @@ class VisionTransformer(nn.Module):
         return self.ln_post(x[:, 0]) @ self.proj
 
 
+def skip_padding(x):
+    """Whether to leave out the padding after EOT, at the cost of shapes read off the data. Eager code
+    on the CPU saves time so, and the host sync costs nothing; a GPU would stall at the sync, and
+    compiled code would stop its graph and recompile for each new shape."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def trim_padding(tokens):
-    """Drop the columns after the last EOT of the batch: they hold padding only."""
+    """Drop the columns after the last EOT of the batch: they hold padding only (see skip_padding)."""
+    if not skip_padding(tokens):
+        return tokens
     return tokens[:, :int((tokens == EOT).int().argmax(dim=1).max()) + 1]
 
 
@@ -167,7 +194,7 @@ class CLIP(nn.Module):
         tokens = trim_padding(tokens)  # attention is causal: padding never reaches an EOT
         x = self.token_embedding(tokens) + self.positional_embedding[:tokens.shape[1]]
         x = self.ln_final(self.transformer(x))
-        return x[torch.arange(x.shape[0]), tokens.argmax(dim=-1)] @ self.text_projection
+        return x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)] @ self.text_projection
 
     def forward(self, images, tokens):
         image_features = F.normalize(self.encode_image(images), dim=-1)
@@ -211,16 +238,28 @@ class CLIP4IDC(nn.Module):
         return {name for name, _ in self.named_parameters() if not name.startswith("clip.")}
 
     def encode_pair(self, before, after):
-        """F'(X1, X2) of Eq. 4: the projected outputs of all 2(n+1) tokens, [B, 2(n+1), embed_dim]."""
-        visual, n_intra = self.clip.visual, self.config.n_intra
-        blocks = visual.transformer.resblocks
-        x = visual.embed(torch.cat([before, after]))  # both images share the intra layers: one batch
-        for block in blocks[:n_intra]:
+        """F'(X1, X2) of Eq. 4: the projected outputs of all 2(n+1) tokens, [B, 2(n+1), embed_dim].
+
+        `after` may hold k images for each before image, [B, k, 3, H, W] (stage 2's change and
+        distractor pairs share their before image): the before image then passes the intra layers
+        once, and the result has B * k rows."""
+        k = after.shape[1] if after.ndim == 5 else 1
+        x = self.intra(torch.cat([before, after.flatten(0, -4)]))  # all images in one batch
+        return self.inter(x[:len(before)].repeat_interleave(k, dim=0), x[len(before):])
+
+    def intra(self, images):
+        """Eq. 2-3 and the first N_intra layers, each image on its own."""
+        x = self.clip.visual.embed(images)
+        for block in self.clip.visual.transformer.resblocks[:self.config.n_intra]:
             x = block(x)
-        x1, x2 = x.chunk(2)
-        x = torch.cat([x1 + self.e1, x2 + self.e2], dim=1) + self.pair_pos
-        x = self.ln_inter(x)
-        for block in blocks[n_intra:]:
+        return x
+
+    def inter(self, x1, x2):
+        """Eq. 4: mark the images with e1 / e2, join them, add the pair position embedding p, then the
+        N_inter layers see both images; projection W on every token."""
+        visual = self.clip.visual
+        x = self.ln_inter(torch.cat([x1 + self.e1, x2 + self.e2], dim=1) + self.pair_pos)
+        for block in visual.transformer.resblocks[self.config.n_intra:]:
             x = block(x)
         return visual.ln_post(x) @ visual.proj
 
@@ -240,8 +279,31 @@ class CLIP4IDC(nn.Module):
         return contrastive_loss(v, g, self.clip.logit_scale)
 
 
+def distributed():
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def gather_batch(x):
+    """x of every process, concatenated in rank order, with gradient; x itself in a single process.
+
+    Every process then computes the loss of the whole global batch. The backward pass sums the
+    processes' gradients of each slice, and DDP averages over the processes: together exactly the
+    gradient one process would compute on the global batch."""
+    return funcol.all_gather_single_autograd(x, 0, dist.group.WORLD) if distributed() else x
+
+
+def global_mean(total, count):
+    """total / count with `count` summed over all processes (scaled so that DDP's averaging of the
+    gradients gives the gradient of the global mean, however the counts split between processes)."""
+    if distributed():
+        count = funcol.all_reduce(count, "sum", dist.group.WORLD) / dist.get_world_size()
+    return total / count
+
+
 def contrastive_loss(v, g, logit_scale):
-    """Eq. 6-8: cross-entropy over the B x B cosine similarities s(v, g) / tau, both directions."""
+    """Eq. 6-8: cross-entropy over the B x B cosine similarities s(v, g) / tau, both directions,
+    B the global batch (all processes' pairs and captions)."""
+    v, g = gather_batch(v), gather_batch(g)
     with torch.autocast(v.device.type, enabled=False):  # logits near 1/tau = 100 need fp32, not bf16
         logits = logit_scale.exp() * F.normalize(v.float(), dim=-1) @ F.normalize(g.float(), dim=-1).t()
     labels = torch.arange(len(logits), device=logits.device)
@@ -291,7 +353,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, y, memory, cache=None):
         self_cache, cross_cache = (cache["self"], cache["cross"]) if cache is not None else (None, None)
-        y = self.ln_1(y + self.drop(self.self_attn(y, causal=True, cache=self_cache)))
+        # With a cache, decoding feeds one new token, which may see every cached one: no mask.
+        y = self.ln_1(y + self.drop(self.self_attn(y, causal=cache is None, cache=self_cache)))
         y = self.ln_2(y + self.drop(self.cross_attn(y, memory=memory, cache=cross_cache)))
         return self.ln_3(y + self.drop(self.mlp(y)))
 
@@ -351,13 +414,20 @@ class Captioner(nn.Module):
         return self.head(y) @ self.encoder.clip.token_embedding.weight.t() + self.head_bias  # tied to the input
 
     def forward(self, before, after, ids):
-        """The word-level cross-entropy of captions `ids` [B, L] (SOT ... EOT, zero padded), by teacher
+        """The word-level cross-entropy of captions `ids` (SOT ... EOT, zero padded), by teacher
         forcing: the state at position t predicts ids[:, t + 1]. Padding after EOT does not count.
-        Callers may cut `ids` with `trim_padding` first, to spare the decoder the padding columns."""
+
+        before [B, 3, H, W]; after [B, 3, H, W] with ids [B, L], or after [B, k, 3, H, W] with ids
+        [B, k, L]: k pairs share a before image (see `CLIP4IDC.encode_pair`)."""
+        ids = trim_padding(ids.flatten(0, -2))
         y = self.decode(ids[:, :-1], self.visual_memory(before, after))
-        real = torch.cumsum(ids == EOT, dim=1)[:, :-1] == 0  # targets up to and including EOT
-        # The vocabulary projection is the costliest layer: apply it to real targets only.
-        return F.cross_entropy(self.logits(y[real]).float(), ids[:, 1:][real])
+        targets = ids[:, 1:].masked_fill(torch.cumsum(ids == EOT, dim=1)[:, :-1] > 0, IGNORE)  # up to EOT
+        real = targets != IGNORE
+        if skip_padding(y):  # the vocabulary projection is the costliest layer: spare it the padding
+            y, targets = y[real], targets[real]
+        loss = F.cross_entropy(self.logits(y).flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+        return global_mean(loss, real.sum())
 
     @torch.no_grad()
     def generate(self, before, after, max_len=None, use_cache=True):

@@ -1,15 +1,14 @@
 """`python evaluate.py --ckpt CKPT --pair BEFORE AFTER [--attention PNG]` on a tiny stage-2 checkpoint:
 the printed caption is the captioner's own, and the attention figure follows Figure 3."""
-from dataclasses import asdict
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+import clip_weights
 import data
 import evaluate
-from caption import CaptionConfig, ids_to_text
+from evaluate import ids_to_text
 from model import Captioner, CaptionerConfig
 from tiny import tiny_pair_encoder
 
@@ -21,10 +20,8 @@ def tiny_captioner(n_intra=2):
 
 
 def save_checkpoint(captioner, path):
-    """caption.py's checkpoint format, so that caption.load_captioner rebuilds this architecture."""
-    config = CaptionConfig(heads=4, ffn=64, layers=1, max_len=12)
-    torch.save({"model": captioner.state_dict(), "config": asdict(config),
-                "model_config": asdict(captioner.encoder.config)}, path)
+    """caption.py's checkpoint format, so that clip_weights.load_checkpoint rebuilds this architecture."""
+    torch.save({"model": captioner.state_dict(), "model_config": clip_weights.model_config(captioner)}, path)
 
 
 def write_pair(folder):
@@ -40,7 +37,7 @@ def test_prints_the_captioners_caption_of_ones_own_pair(tmp_path, capsys):
     captioner = tiny_captioner()
     save_checkpoint(captioner, tmp_path / "best.pt")
     before, after = write_pair(tmp_path)
-    images = [data.load_image(p, 32)[None] for p in (before, after)]
+    images = [data.read_pixels(p, 32)[None] for p in (before, after)]
     expected = ids_to_text(captioner.generate(*images))[0]
     assert expected  # a caption with words, so that the comparison says something
 

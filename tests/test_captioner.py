@@ -1,6 +1,6 @@
 import torch
 
-from caption import ids_to_text
+from evaluate import ids_to_text
 from model import EOT, SOT, Captioner, CaptionerConfig
 from tiny import tiny_pair_encoder
 

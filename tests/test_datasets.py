@@ -1,5 +1,7 @@
-"""CLIP4IDC's image preprocessing and the stage datasets: samples, distractor swaps, determinism, workers."""
+"""CLIP4IDC's image preprocessing, the image store, and the stage datasets: samples, distractor
+swaps, determinism, workers."""
 import json
+import os
 
 import pytest
 import torch
@@ -7,6 +9,8 @@ from PIL import Image
 from torchvision import transforms
 
 import data
+from tiny import tiny_clip_config
+from model import VisionTransformer
 
 RED, GREEN, BLUE = (220, 20, 20), (20, 220, 20), (20, 20, 220)
 
@@ -29,8 +33,8 @@ def write_clevr(root, n=4):
 
 
 def colour_of(image):
-    """Which of RED, GREEN, BLUE a normalised image shows."""
-    rgb = (image[:, 4, 4] * data.STD[:, 0, 0] + data.MEAN[:, 0, 0]) * 255
+    """Which of RED, GREEN, BLUE a uint8 image shows."""
+    rgb = image[:, 4, 4].int()
     return {RED: "red", GREEN: "green", BLUE: "blue"}[min((RED, GREEN, BLUE), key=lambda c: (rgb - torch.tensor(c)).abs().sum())]
 
 
@@ -38,8 +42,8 @@ def decode(ids):
     return data.get_tokenizer().decode([i for i in ids.tolist() if i])
 
 
-@pytest.mark.parametrize("mode, size", [("RGB", 224), ("RGBA", 128), ("P", 64)])
-def test_load_image_equals_clip4idc_transform(tmp_path, mode, size):
+@pytest.mark.parametrize("mode, size", [("RGB", 32), ("RGBA", 48), ("P", 64)])
+def test_pixels_normalised_by_the_model_equal_clip4idc_transform(tmp_path, mode, size):
     pixels = torch.randint(0, 256, (45, 67, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     image = Image.fromarray(pixels.numpy()).convert(mode)
     image.save(tmp_path / "x.png")
@@ -48,23 +52,66 @@ def test_load_image_equals_clip4idc_transform(tmp_path, mode, size):
         lambda im: im.convert("RGB"), transforms.ToTensor(),
         transforms.Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))])
     expected = clip4idc(Image.open(tmp_path / "x.png").convert("RGB"))
-    assert torch.equal(data.load_image(tmp_path / "x.png", size), expected)
+    visual = VisionTransformer(tiny_clip_config(image_size=size, patch_size=16))
+    ours = data.read_pixels(tmp_path / "x.png", size)
+    assert ours.dtype == torch.uint8
+    torch.testing.assert_close(visual.embed(ours[None]), visual.embed(expected[None]), rtol=0, atol=1e-5)
 
 
-def test_image_cache_equals_load_image_and_follows_the_pairs(tmp_path):
+def store_files(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("store_"))
+
+
+def test_image_store_equals_the_files_and_follows_them(tmp_path):
     pairs = write_clevr(tmp_path / "d")
-    cache = data.ImageCache(pairs[:2], 32, tmp_path / "cache.pt")
+    store = data.ImageStore(pairs[:2], 32, tmp_path / "s")
+    assert store_files(tmp_path / "s") == ["store_32px.json", "store_32px.u8"]  # no temporary file left
+    assert (tmp_path / "s" / "store_32px.u8").stat().st_size == 6 * 3 * 32 * 32
     for p in pairs[:2]:
         for path in (p.before, p.after, p.distractor):
-            assert torch.equal(cache(path, 32), data.load_image(path, 32))
-    stamp = (tmp_path / "cache.pt").stat().st_mtime_ns
-    assert len(data.ImageCache(pairs[:2], 32, tmp_path / "cache.pt").pixels) == 6
-    assert (tmp_path / "cache.pt").stat().st_mtime_ns == stamp  # read back, not rebuilt
-    assert len(data.ImageCache(pairs, 32, tmp_path / "cache.pt").pixels) == 12  # other pairs: rebuilt
-    cache = data.ImageCache(pairs, 16, tmp_path / "cache.pt")
-    assert cache.pixels.shape[-1] == 16  # other size: rebuilt
+            assert torch.equal(store(path, 32), data.read_pixels(path, 32))
+    stamp = (tmp_path / "s" / "store_32px.u8").stat().st_mtime_ns
+    data.ImageStore(pairs[:2], 32, tmp_path / "s")
+    assert (tmp_path / "s" / "store_32px.u8").stat().st_mtime_ns == stamp  # read back, not rebuilt
+    assert (tmp_path / "s" / "store_32px.u8").stat().st_size == 6 * 3 * 32 * 32
+    assert len(data.ImageStore(pairs, 32, tmp_path / "s").row) == 12  # other pairs: rebuilt
+    assert (tmp_path / "s" / "store_32px.u8").stat().st_size == 12 * 3 * 32 * 32
+    store = data.ImageStore(pairs, 16, tmp_path / "s")
+    assert torch.equal(store(pairs[0].after, 16), data.read_pixels(pairs[0].after, 16))  # other size: its own file
     with pytest.raises(ValueError, match="holds 16 px images, not 32 px"):
-        data.AdaptDataset(pairs, 32, cache=cache)[(0, 0)]
+        data.AdaptDataset(pairs, 32, store=store)[(0, 0)]
+
+
+def test_image_store_serves_a_replaced_file_anew(tmp_path):
+    pairs = write_clevr(tmp_path / "d")
+    path = pairs[1].after
+    assert colour_of(data.ImageStore(pairs, 16, tmp_path / "s")(path, 16)) == "green"
+    stat = os.stat(path)
+    Image.new("RGB", (30, 20), BLUE).save(path)  # same path and byte size, modified 1 ns later
+    assert os.stat(path).st_size == stat.st_size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert colour_of(data.ImageStore(pairs, 16, tmp_path / "s")(path, 16)) == "blue"
+
+
+READ_ARRAY = data.read_array
+
+
+def fails_on_one_image(path, size):  # at module level: the store's worker processes look it up by name
+    if path.endswith("CLEVR_semantic_000001.png"):
+        raise OSError("disk full")
+    return READ_ARRAY(path, size)
+
+
+def test_an_interrupted_rebuild_leaves_no_index_to_trust(tmp_path, monkeypatch):
+    pairs = write_clevr(tmp_path / "d")
+    data.ImageStore(pairs[:2], 16, tmp_path / "s")
+    monkeypatch.setattr(data, "read_array", fails_on_one_image)
+    with pytest.raises(OSError, match="disk full"):
+        data.ImageStore(pairs, 16, tmp_path / "s")  # other pairs: a rebuild, which fails half way
+    assert not (tmp_path / "s" / "store_16px.json").exists()  # the old index no longer vouches for the file
+    monkeypatch.undo()
+    store = data.ImageStore(pairs, 16, tmp_path / "s")
+    assert all(torch.equal(store(p.after, 16), data.read_pixels(p.after, 16)) for p in pairs)
 
 
 def test_adapt_samples_every_caption_and_swaps_in_the_distractor_half_the_time(tmp_path):
@@ -100,12 +147,12 @@ def test_caption_samples_stack_the_change_and_the_distractor_pair(tmp_path):
     ds = data.CaptionDataset(pairs, 16, context_length=20)
     assert len(ds) == 3
     before, after, ids = ds[(0, 2)]
-    assert before.shape == after.shape == (2, 3, 16, 16) and ids.shape == (2, 20)
-    assert [colour_of(b) for b in before] == ["red", "red"] and [colour_of(a) for a in after] == ["green", "blue"]
+    assert before.shape == (3, 16, 16) and after.shape == (2, 3, 16, 16) and ids.shape == (2, 20)
+    assert colour_of(before) == "red" and [colour_of(a) for a in after] == ["green", "blue"]
     assert decode(ids[0]) in pairs[2].captions and decode(ids[1]) in pairs[2].distractor_captions
     spot_like = [data.Pair("x.png", pairs[0].before, pairs[0].after, ["a car left"])]
     before, after, ids = data.CaptionDataset(spot_like, 16)[(0, 0)]
-    assert before.shape == after.shape == (1, 3, 16, 16) and decode(ids[0]) == "a car left"
+    assert before.shape == (3, 16, 16) and after.shape == (1, 3, 16, 16) and decode(ids[0]) == "a car left"
     assert data.AdaptDataset(spot_like, 16)[(0, 0)][0].shape == (3, 16, 16)
 
 
@@ -121,10 +168,10 @@ def test_workers_and_cache_do_not_change_batches(tmp_path):
     pairs = write_clevr(tmp_path / "d", n=4)
     keys = [(e, i) for e in range(2) for i in range(7)]
 
-    def batches(workers, cache=None):
-        ds = data.AdaptDataset(pairs, 16, seed=3, cache=cache)
+    def batches(workers, store=None):
+        ds = data.AdaptDataset(pairs, 16, seed=3, store=store)
         return list(torch.utils.data.DataLoader(ds, batch_size=5, sampler=keys, num_workers=workers))
 
     reference = batches(0)
-    for other in (batches(2), batches(0, data.ImageCache(pairs, 16, tmp_path / "c.pt"))):
+    for other in (batches(2), batches(2, data.ImageStore(pairs, 16, tmp_path / "s"))):
         assert all(torch.equal(x, y) for a, b in zip(reference, other) for x, y in zip(a, b))

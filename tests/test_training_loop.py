@@ -3,9 +3,10 @@ import random
 import pytest
 import torch
 
-import adapt
-from adapt import AdaptConfig, fit, save_atomic
+import train
+from adapt import AdaptConfig
 from model import Captioner, CaptionerConfig
+from train import fit, save_atomic
 from tiny import tiny_pair_encoder
 
 
@@ -33,19 +34,26 @@ def config(tmp_path, **kw):
     return AdaptConfig(out_dir=str(tmp_path), device="cpu", **{**defaults, **kw})
 
 
-def run(cfg, make_model, fail_at=None):
-    """Train a fresh model on ToyPairs; the `fail_at`-th step raises, as a killed run would stop."""
+def fail_at(model, step, error=KeyboardInterrupt("killed")):
+    """The model's `step`-th forward pass raises, as a killed run would stop."""
+    forward, calls = model.forward, []
+
+    def failing(*batch):
+        calls.append(1)
+        if len(calls) == step:
+            raise error
+        return forward(*batch)
+
+    model.forward = failing
+
+
+def run(cfg, make_model, kill_at=None):
+    """Train a fresh model on ToyPairs, killed at step `kill_at` if given."""
     torch.manual_seed(0)
     model = make_model()
-    calls = []
-
-    def loss_fn(batch):
-        calls.append(1)
-        if len(calls) == fail_at:
-            raise KeyboardInterrupt("killed")
-        return model(*batch)
-
-    fit(cfg, model, loss_fn, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
+    if kill_at:
+        fail_at(model, kill_at)
+    fit(cfg, model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
     return model
 
 
@@ -57,7 +65,7 @@ def captioner():  # its dropout draws from the global RNG: a resumed run must re
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, make_model, workers):
     whole = run(config(tmp_path / "whole", workers=workers), make_model)
     with pytest.raises(KeyboardInterrupt):
-        run(config(tmp_path / "killed", workers=workers), make_model, fail_at=11)  # last.pt: step 8, mid-epoch 2
+        run(config(tmp_path / "killed", workers=workers), make_model, kill_at=11)  # last.pt: step 8, mid-epoch 2
     assert torch.load(tmp_path / "killed" / "last.pt", weights_only=False)["state"]["step"] == 8
     resumed = run(config(tmp_path / "killed", workers=workers, resume=True), make_model)
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
@@ -69,8 +77,7 @@ def test_best_checkpoint_follows_the_validation_score_and_patience_stops_early(t
     model = tiny_pair_encoder()
     scores = iter([1.0, 3.0, 2.0, 2.5, 0.0])
     cfg = config(tmp_path, epochs=5)
-    state = fit(cfg, model, lambda b: model(*b), ToyPairs(), lambda: (next(scores), {}),
-                model.new_parameter_names(), "cosine", patience=2)
+    state = fit(cfg, model, ToyPairs(), lambda: (next(scores), {}), model.new_parameter_names(), "cosine", patience=2)
     assert state["best_epoch"] == 2 and state["best"] == 3.0
     assert [h["epoch"] for h in state["history"]] == [1, 2, 3, 4]  # stopped: 2 epochs without improvement
     assert (tmp_path / "best.pt").exists()
@@ -84,7 +91,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
         open(f, "wb").write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(adapt.torch, "save", broken_save)
+    monkeypatch.setattr(train.torch, "save", broken_save)
     with pytest.raises(OSError):
         save_atomic({"step": 2}, path)
     assert torch.load(path)["step"] == 1
@@ -92,7 +99,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
 
 def test_schedule_warms_up_then_decays_to_zero():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    schedule = adapt.make_schedule(opt, total_steps=100, warmup=0.1, decay="cosine")
+    schedule = train.make_schedule(opt, total_steps=100, warmup=0.1, decay="cosine")
     lrs = []
     for _ in range(100):
         lrs.append(schedule.get_last_lr()[0])
@@ -104,7 +111,7 @@ def test_schedule_warms_up_then_decays_to_zero():
 
 def test_weight_decay_applies_to_matrices_only():
     model = tiny_pair_encoder()
-    opt = adapt.make_optimizer(model, model.new_parameter_names(), AdaptConfig(lr=1e-4, lr_clip=1e-7, weight_decay=0.2))
+    opt = train.make_optimizer(model, model.new_parameter_names(), AdaptConfig(lr=1e-4, lr_clip=1e-7, weight_decay=0.2))
     for group in opt.param_groups:
         assert all((p.ndim >= 2) == (group["weight_decay"] == 0.2) for p in group["params"])
     new = {id(p) for n, p in model.named_parameters() if n in model.new_parameter_names()}
@@ -117,11 +124,11 @@ def test_resuming_an_early_stopped_run_trains_no_further(tmp_path):
     model = tiny_pair_encoder()
     scores = iter([3.0, 1.0, 1.0])
     cfg = config(tmp_path, epochs=5)
-    fit(cfg, model, lambda b: model(*b), ToyPairs(), lambda: (next(scores), {}), model.new_parameter_names(),
-        "cosine", patience=2)
+    fit(cfg, model, ToyPairs(), lambda: (next(scores), {}), model.new_parameter_names(), "cosine", patience=2)
     resumed = AdaptConfig(**{**cfg.__dict__, "resume": True})
-    state = fit(resumed, model, lambda b: pytest.fail("trained after an early stop"), ToyPairs(),
-                lambda: pytest.fail("validated after an early stop"), model.new_parameter_names(), "cosine", patience=2)
+    fail_at(model, 1, AssertionError("trained after an early stop"))
+    state = fit(resumed, model, ToyPairs(), lambda: pytest.fail("validated after an early stop"),
+                model.new_parameter_names(), "cosine", patience=2)
     assert state["stopped"] and state["step"] == 3 * 6
 
 

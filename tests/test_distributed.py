@@ -1,0 +1,96 @@
+"""Several processes through torchrun (gloo on CPU): 2 processes with half the global batch each
+train both stages to the weights of 1 process with the whole batch, and a killed 2-process run
+resumes to the same weights."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+
+ROOT = Path(__file__).parent.parent
+STAGE_1 = ["--epochs", "1", "--max_steps", "8", "--batch_size", "8", "--workers", "0", "--save_every", "2"]
+STAGE_2 = ["--epochs", "1", "--max_steps", "4", "--batch_size", "4", "--workers", "0", "--layers", "1", "--ffn", "64",
+           "--dropout", "0"]  # dropout draws other masks in 2 processes than in 1
+
+
+def command(script, processes, *flags):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                "--standalone"] if processes > 1 else [sys.executable]
+    return launcher + [str(ROOT / script), "--data", "synth", *flags]
+
+
+def train(script, processes, *flags):
+    result = subprocess.run(command(script, processes, *flags), cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def weights(out_dir):
+    return torch.load(Path(out_dir) / "last.pt", weights_only=True)["model"]
+
+
+def assert_same_weights(a, b, atol=1e-5):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Stage 1 and stage 2, each in 1 and in 2 processes, on the same small synthetic data."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    data.write_synth(tmp / "synth", 60, seed=1)
+    out = {}
+    for processes in (1, 2):
+        out[1, processes] = tmp / f"adapt{processes}"
+        log = train("adapt.py", processes, "--data_root", str(tmp / "synth"), "--out_dir", str(out[1, processes]),
+                    *STAGE_1)
+        assert (f"\n{processes} processes" in log) == (processes > 1)
+    for processes in (1, 2):
+        out[2, processes] = tmp / f"caption{processes}"
+        train("caption.py", processes, "--data_root", str(tmp / "synth"), "--out_dir", str(out[2, processes]),
+              "--init_from", str(out[1, 1] / "best.pt"), *STAGE_2)
+    out["tmp"] = tmp
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_processes_reach_the_weights_of_one(runs, stage):
+    assert_same_weights(weights(runs[stage, 1]), weights(runs[stage, 2]))
+
+
+def test_the_runs_compared_did_train(runs):
+    start = torch.load(runs[1, 1] / "best.pt", weights_only=True)["model"]["clip.visual.conv1.weight"]
+    trained = weights(runs[2, 2])["encoder.clip.visual.conv1.weight"]  # stage 2 started from that best.pt
+    assert (trained - start).abs().max() > 1e-4
+
+
+def test_rank_0_alone_writes_the_run(runs):
+    for stage in (1, 2):
+        files = sorted(p.name for p in runs[stage, 2].iterdir())
+        expected = ["best.pt", "last.pt", "metrics.json"] + (["test_predictions.json"] if stage == 2 else [])
+        assert files == expected
+
+
+def test_a_killed_two_process_run_resumes(runs):
+    out = runs["tmp"] / "killed"
+    flags = ["--data_root", str(runs["tmp"] / "synth"), "--out_dir", str(out), *STAGE_1]
+    proc = subprocess.Popen(command("adapt.py", 2, *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while not (out / "last.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # torchrun ends both processes, mid-epoch
+    proc.wait()
+    step = torch.load(out / "last.pt", weights_only=True)["state"]["step"]
+    assert 0 < step < 8
+    log = train("adapt.py", 2, *flags, "--resume")
+    assert f"at step {step}" in log, log
+    assert_same_weights(weights(out), weights(runs[1, 2]))
