@@ -1,11 +1,10 @@
-"""Data for CLIP4IDC: CLIP's BPE tokenizer, readers for the three benchmarks, CLIP4IDC's preprocessing,
-the datasets of both stages, and a synthetic CLEVR-Change for offline runs.
-
-    python data.py synth --out data/synth --pairs 2400 --seed 0   # write the offline dataset
+"""Data for CLIP4IDC: CLIP's BPE tokenizer, readers for the three benchmarks in their published
+layouts, CLIP4IDC's preprocessing, the image store, and the datasets of both stages.
 
 The tokenizer is OpenAI's byte-level BPE, rewritten here; `tokenize` matches `clip.tokenize`.
+The synthetic CLEVR-Change of the offline default is written by synth.py in CLEVR-Change's layout,
+and read here like the real one.
 """
-import argparse
 import functools
 import gzip
 import hashlib
@@ -15,7 +14,6 @@ import logging
 import multiprocessing
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,7 @@ import ftfy
 import numpy as np
 import regex as re
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 # ---------------------------------------------------------------------------------------------
 # CLIP's byte-level BPE tokenizer
@@ -378,216 +376,3 @@ class EvalDataset(torch.utils.data.Dataset):
     def __getitem__(self, index):
         item = self.items[index]
         return index, self.load(item.before, self.size), self.load(item.after, self.size)
-
-
-# ---------------------------------------------------------------------------------------------
-# A synthetic CLEVR-Change, drawn with Pillow and written in CLEVR-Change's layout
-# ---------------------------------------------------------------------------------------------
-W, H, Y_FAR, Y_NEAR = 480, 320, 80, 290  # image size; ground rows of the farthest and nearest objects
-COLORS = {"gray": (87, 87, 87), "red": (173, 35, 35), "blue": (42, 75, 215), "green": (29, 105, 20),
-          "brown": (129, 74, 25), "purple": (129, 38, 192), "cyan": (41, 208, 208), "yellow": (255, 238, 51)}
-SHAPES, MATERIALS, SIZES = ("cube", "sphere", "cylinder"), ("rubber", "metal"), {"small": 18, "large": 30}
-CHANGES = ("color", "material", "add", "drop", "move")
-SAME_CAMERA = {"dx": 0.0, "dy": 0.0, "zoom": 1.0, "light": 1.0}
-WORDS = {"small": ("small", "tiny"), "large": ("large", "big"), "rubber": ("rubber", "matte"),
-         "metal": ("metal", "metallic", "shiny"), "sphere": ("sphere", "ball"), "cube": ("cube", "block"),
-         "cylinder": ("cylinder",)}
-BECAME = ("the {o} changed to {new}", "the {o} turned {new}", "the {o} became {new}", "the {o} is now {new}")
-TEMPLATES = {
-    "color": BECAME + ("the {o} was painted {new}",), "material": BECAME,
-    "add": ("a {o} has been added", "someone added a {o}", "a {o} appeared", "there is a new {o}",
-            "a {o} has appeared"),
-    "drop": ("the {o} has disappeared", "the {o} is missing", "the {o} is gone", "someone removed the {o}"),
-    "move": ("the {o} changed its location", "the {o} has been moved", "the {o} is in a different location",
-             "the {o} moved", "someone moved the {o}"),
-}
-NO_CHANGE = ("the scene remains the same", "nothing has changed", "no change was made", "the two scenes seem identical",
-             "there is no difference", "no change has occurred", "the scene is the same as before",
-             "nothing was modified")
-
-
-def radius(obj):
-    return SIZES[obj["size"]] * (0.9 + 0.25 * (obj["y"] - Y_FAR) / (Y_NEAR - Y_FAR))  # mild perspective
-
-
-def place(obj, others, rng, away_from=None):
-    """Put `obj` on a free spot of the floor (at least 80 px from `away_from`); False if none was found."""
-    for _ in range(200):
-        obj["x"], obj["y"] = round(rng.uniform(60, 420), 1), round(rng.uniform(Y_FAR, Y_NEAR), 1)
-        x, y, r = obj["x"], obj["y"] - radius(obj), radius(obj)  # the body's disc, centred a radius above the floor
-        free = all(np.hypot(x - o["x"], y - o["y"] + radius(o)) > r + radius(o) + 8 for o in others)
-        if free and (away_from is None or np.hypot(obj["x"] - away_from[0], obj["y"] - away_from[1]) > 80):
-            return True
-    return False
-
-
-def new_object(rng):
-    return {"shape": rng.choice(SHAPES), "color": rng.choice(list(COLORS)), "material": rng.choice(MATERIALS),
-            "size": rng.choice(list(SIZES))}
-
-
-def make_scene(rng):
-    objects = []
-    for _ in range(rng.randint(3, 6)):
-        objects.append(new_object(rng))
-        if not place(objects[-1], objects[:-1], rng):
-            return None
-    return objects
-
-
-def change_scene(objects, kind, rng):
-    """(after, the changed object before and after the change), or None where the change does not fit."""
-    after = [dict(o) for o in objects]
-    if kind == "add":
-        obj = new_object(rng)
-        return (after + [obj], None, obj) if place(obj, after, rng) else None
-    i = rng.randrange(len(after))
-    obj = after[i]
-    if kind == "drop":
-        return after[:i] + after[i + 1:], objects[i], None
-    if kind == "color":
-        obj["color"] = rng.choice([c for c in COLORS if c != obj["color"]])
-    elif kind == "material":
-        obj["material"] = "metal" if obj["material"] == "rubber" else "rubber"
-    elif not place(obj, after[:i] + after[i + 1:], rng, away_from=(obj["x"], obj["y"])):
-        return None
-    return after, objects[i], obj
-
-
-def project(obj, cam):
-    """Ground point and radius of `obj` in the image, after the camera's shift and zoom about the centre."""
-    zoom = cam["zoom"]
-    x, y = W / 2 + (obj["x"] - W / 2) * zoom + cam["dx"], H / 2 + (obj["y"] - H / 2) * zoom + cam["dy"]
-    return x, y, radius(obj) * zoom
-
-
-def draw_object(draw, obj, cam):
-    x, y, r = project(obj, cam)
-    lo, hi = (0.3, 1.6) if obj["material"] == "metal" else (0.55, 1.15)  # metal: harder light and dark
-
-    def tone(k, white=0.0):  # the object's colour under light k, mixed with a `white` share of specular light
-        return tuple(int(min(255, (c * k * (1 - white) + 255 * white) * cam["light"])) for c in COLORS[obj["color"]])
-
-    if obj["shape"] == "sphere":  # concentric discs drifting towards the light at the upper left
-        for t in np.linspace(0, 1, 9):
-            cx, cy, rr = x - 0.4 * r * t, y - r - 0.4 * r * t, r * (1 - 0.85 * t)
-            draw.ellipse([cx - rr, cy - rr, cx + rr, cy + rr], fill=tone(lo + (hi - lo) * t ** 1.5))
-    elif obj["shape"] == "cube":  # front, top and side faces in an oblique view
-        s, d = 1.45 * r, 0.4 * r
-        x0 = x - (s + d) / 2
-        draw.polygon([(x0, y), (x0 + s, y), (x0 + s, y - s), (x0, y - s)], fill=tone((lo + hi) / 2))
-        draw.polygon([(x0, y - s), (x0 + s, y - s), (x0 + s + d, y - s - d), (x0 + d, y - s - d)], fill=tone(hi))
-        draw.polygon([(x0 + s, y), (x0 + s + d, y - d), (x0 + s + d, y - s - d), (x0 + s, y - s)], fill=tone(lo))
-    else:  # cylinder: vertical strips, brightest towards the light, between a dark base and a lit top
-        rc, h, e = 0.85 * r, 1.5 * r, 0.3 * r
-        draw.ellipse([x - rc, y - e, x + rc, y + e], fill=tone(lo))
-        for j, t in enumerate(np.linspace(0, 1, 10)):
-            draw.rectangle([x - rc + 0.2 * rc * j, y - h, x - rc + 0.2 * rc * (j + 1), y],
-                           fill=tone(hi - (hi - lo) * abs(t - 0.3) / 0.7))
-        draw.ellipse([x - rc, y - h - e, x + rc, y - h + e], fill=tone(hi))
-    if obj["material"] == "metal":  # a specular highlight
-        hx, hy = (x - 0.45 * r, y - 1.45 * r) if obj["shape"] == "sphere" else (x - 0.35 * r, y - 1.6 * r)
-        draw.ellipse([hx - 0.2 * r, hy - 0.12 * r, hx + 0.2 * r, hy + 0.12 * r], fill=tone(1, white=0.85))
-
-
-def render(objects, cam=SAME_CAMERA):
-    floor = (np.linspace(178, 122, H) * cam["light"]).clip(0, 255).astype(np.uint8)
-    image = Image.fromarray(np.ascontiguousarray(np.broadcast_to(floor[:, None, None], (H, W, 3))))
-    draw = ImageDraw.Draw(image)
-    objects = sorted(objects, key=lambda o: o["y"])  # far to near, so nearer objects occlude
-    for x, y, r in (project(o, cam) for o in objects):  # contact shadows, cast away from the light
-        shadow = int(floor[min(int(y), H - 1)] * 0.7)
-        draw.ellipse([x - 0.8 * r, y - 0.35 * r, x + 1.4 * r, y + 0.35 * r], fill=(shadow,) * 3)
-    for o in objects:
-        draw_object(draw, o, cam)
-    return image
-
-
-def describe(obj, scene, rng):
-    """A noun phrase for `obj`, sometimes with a spatial relation to another object of `scene`."""
-    words = [rng.choice(WORDS[obj["size"]]), obj["color"]]
-    if rng.random() < 0.5:
-        words.append(rng.choice(WORDS[obj["material"]]))
-    words.append(rng.choice(WORDS[obj["shape"]]) if rng.random() < 0.8 else rng.choice(("thing", "object")))
-    others = [o for o in scene if (o["x"], o["y"]) != (obj["x"], obj["y"])]
-    if others and rng.random() < 0.3:
-        other = rng.choice(others)
-        dx, dy = obj["x"] - other["x"], obj["y"] - other["y"]
-        where = ("left of" if dx < 0 else "right of") if abs(dx) > abs(dy) else ("in front of" if dy > 0 else "behind")
-        words += ["that is", where, "the", describe(other, [], rng)]
-    return " ".join(words)
-
-
-def change_captions(kind, before, after, old, new, rng, n=5):
-    """`n` distinct references for one change, in the style of CLEVR-Change's templates."""
-    subject, scene = (new, after) if kind == "add" else (old, before)
-    captions = {}  # a dict keeps the drawing order, so the output is deterministic
-    while len(captions) < n:
-        value = new["color"] if kind == "color" else rng.choice(WORDS[new["material"]]) if kind == "material" else ""
-        captions[rng.choice(TEMPLATES[kind]).format(o=describe(subject, scene, rng), new=value)] = None
-    return list(captions)
-
-
-def synth_pair(i, seed):
-    """The scene graphs, change captions and no-change captions of pair `i`, fixed by (seed, i)."""
-    rng = random.Random(f"synth:{seed}:{i}")
-    kind, change = CHANGES[i % len(CHANGES)], None  # types cycle, so every split is balanced
-    while change is None:
-        before = make_scene(rng)
-        change = before and change_scene(before, kind, rng)
-    after, old, new = change
-    camera = {"dx": round(rng.uniform(-10, 10), 1), "dy": round(rng.uniform(-6, 6), 1),
-              "zoom": round(rng.uniform(0.94, 1.06), 3),
-              "light": round(1 + rng.choice((-1, 1)) * rng.uniform(0.08, 0.2), 3)}  # 8-20% darker or brighter
-    scene = {"change_type": kind, "before": before, "after": after, "distractor_camera": camera}
-    return scene, change_captions(kind, before, after, old, new, rng), rng.sample(NO_CHANGE, 5)
-
-
-def write_synth(out, n_pairs, seed):
-    """Write `n_pairs` pairs to `out` in CLEVR-Change's layout, plus scenes.json with the scene graphs drawn."""
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} exists; choose a new folder for the synthetic dataset")
-    tmp = out.with_name(out.name + ".partial")  # renamed when complete: an interrupted run leaves no dataset
-    shutil.rmtree(tmp, ignore_errors=True)
-    files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
-    for folder in ("images", "sc_images", "nsc_images"):
-        (tmp / folder).mkdir(parents=True)
-    for i in range(n_pairs):
-        scene, captions, no_change = synth_pair(i, seed)
-        distractor_camera = scene["distractor_camera"]
-        name = f"{i:06d}.png"
-        for folder, prefix, objects, camera in (("images", "default", scene["before"], SAME_CAMERA),
-                                                ("sc_images", "semantic", scene["after"], SAME_CAMERA),
-                                                ("nsc_images", "nonsemantic", scene["before"], distractor_camera)):
-            render(objects, camera).save(tmp / folder / f"CLEVR_{prefix}_{name}", compress_level=1)
-        files["change_captions"][f"CLEVR_default_{name}"] = captions
-        files["no_change_captions"][f"CLEVR_default_{name}"] = no_change
-        files["type_mapping"][scene["change_type"]].append(name)
-        files["scenes"][name] = scene
-    n_eval = min(200, n_pairs // 10)
-    ends = (0, n_pairs - 2 * n_eval, n_pairs - n_eval, n_pairs)
-    files["splits"] = {split: list(range(a, b)) for split, a, b in zip(("train", "val", "test"), ends, ends[1:])}
-    for name, content in files.items():
-        (tmp / f"{name}.json").write_text(json.dumps(content))
-    tmp.rename(out)
-
-
-def ensure_synth(root, pairs=2400, seed=0):
-    """Generate the synthetic dataset at `root` unless it exists (2,400 pairs: train 2,000, val 200, test 200)."""
-    if not Path(root).exists():
-        log.warning("generating %d synthetic CLEVR-Change pairs in %s", pairs, root)
-        write_synth(root, pairs, seed)
-    return Path(root)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Write the synthetic CLEVR-Change.")
-    parser.add_argument("command", choices=("synth",))
-    parser.add_argument("--out", required=True, help="the folder to create")
-    parser.add_argument("--pairs", type=int, default=2400)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    start = time.perf_counter()
-    write_synth(args.out, args.pairs, args.seed)
-    print(f"wrote {args.pairs} pairs to {args.out} in {time.perf_counter() - start:.0f} s")

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import clip_weights
 import data
+import synth
 from model import distributed
 
 
@@ -127,7 +128,7 @@ def prepare_data(cfg, image_size):
     if rank() != 0:
         barrier()
     if cfg.data == "synth":
-        data.ensure_synth(cfg.data_root)
+        synth.ensure_synth(cfg.data_root)
     splits = {split: data.read_split(cfg.data, cfg.data_root, split) for split in ("train", "val", "test")}
     store = data.ImageStore([p for s in splits.values() for p in s], image_size, cfg.data_root) if cfg.cache else None
     if rank() == 0:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import data
+import synth
 
 ROOT = Path(__file__).parent.parent
 STAGE_1 = ["--epochs", "1", "--max_steps", "8", "--batch_size", "8", "--workers", "0", "--save_every", "2"]
@@ -46,7 +47,7 @@ def assert_same_weights(a, b, atol=1e-5):
 def runs(tmp_path_factory):
     """Stage 1 and stage 2, each in 1 and in 2 processes, on the same small synthetic data."""
     tmp = tmp_path_factory.mktemp("ddp")
-    data.write_synth(tmp / "synth", 60, seed=1)
+    synth.write_synth(tmp / "synth", 60, seed=1)
     out = {}
     for processes in (1, 2):
         out[1, processes] = tmp / f"adapt{processes}"

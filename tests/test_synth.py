@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 import data
+import synth
 
 N = 20
 SIZE_WORDS = {"small": {"small", "tiny"}, "large": {"large", "big"}}
@@ -16,16 +17,16 @@ RELATION = re.compile(r" that is (left of|right of|in front of|behind) the (\w+)
 
 
 @pytest.fixture(scope="module")
-def synth(tmp_path_factory):
+def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("synth") / "d"
-    data.write_synth(root, N, seed=3)
+    synth.write_synth(root, N, seed=3)
     files = {name: json.loads((root / f"{name}.json").read_text())
              for name in ("splits", "change_captions", "no_change_captions", "type_mapping", "scenes")}
     return root, files
 
 
-def test_layout_and_schemas_are_clevr_changes(synth):
-    root, f = synth
+def test_layout_and_schemas_are_clevr_changes(dataset):
+    root, f = dataset
     assert f["splits"] == {"train": list(range(16)), "val": [16, 17], "test": [18, 19]}
     defaults = {f"CLEVR_default_{i:06d}.png" for i in range(N)}
     assert set(f["change_captions"]) == set(f["no_change_captions"]) == defaults
@@ -45,14 +46,14 @@ def test_layout_and_schemas_are_clevr_changes(synth):
 
 def test_same_seed_same_bytes_other_seed_other_scenes(tmp_path):
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
-        data.write_synth(tmp_path / name, 5, seed)
+        synth.write_synth(tmp_path / name, 5, seed)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     assert len(files) == 5 * 3 + 5
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
     assert (tmp_path / "a" / "scenes.json").read_text() != (tmp_path / "c" / "scenes.json").read_text()
     with pytest.raises(FileExistsError, match="exists"):
-        data.write_synth(tmp_path / "a", 5, 5)
+        synth.write_synth(tmp_path / "a", 5, 5)
 
 
 def the_change(kind, before, after):
@@ -83,8 +84,8 @@ def relation_holds(where, subject, other):
     return {"left of": dx < 0, "right of": dx > 0, "in front of": dy > 0, "behind": dy < 0}[where]
 
 
-def test_captions_describe_the_change_in_the_scene_graphs(synth):
-    _, f = synth
+def test_captions_describe_the_change_in_the_scene_graphs(dataset):
+    _, f = dataset
     kinds = set()
     for name, scene in f["scenes"].items():
         kind, before, after = scene["change_type"], scene["before"], scene["after"]
@@ -105,12 +106,12 @@ def test_captions_describe_the_change_in_the_scene_graphs(synth):
                 assert any(relation_holds(where, subject, o) for o in context
                            if o["color"] == color and size in SIZE_WORDS[o["size"]] and o != subject), caption
         no_change = " ".join(f["no_change_captions"][f"CLEVR_default_{name}"]).split()
-        assert not set(no_change) & set(data.COLORS)
-    assert kinds == set(data.CHANGES)
+        assert not set(no_change) & set(synth.COLORS)
+    assert kinds == set(synth.CHANGES)
 
 
-def test_images_change_only_around_the_changed_object(synth):
-    root, f = synth
+def test_images_change_only_around_the_changed_object(dataset):
+    root, f = dataset
     for name, scene in f["scenes"].items():
         before, after, distractor = (np.asarray(Image.open(root / d / f"CLEVR_{p}_{name}"), dtype=int) for d, p in
                                      (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic")))
@@ -118,7 +119,7 @@ def test_images_change_only_around_the_changed_object(synth):
         assert len(xs) > 100, name
         old, new = the_change(scene["change_type"], scene["before"], scene["after"])
         boxes = [(o["x"] - 1.6 * r, o["x"] + 1.6 * r, o["y"] - 2.2 * r, o["y"] + 0.6 * r)
-                 for o in (old, new) if o for r in [data.radius(o)]]
+                 for o in (old, new) if o for r in [synth.radius(o)]]
         inside = np.zeros(len(xs), bool)
         for x0, x1, y0, y1 in boxes:
             inside |= (xs >= x0) & (xs <= x1) & (ys >= y0) & (ys <= y1)
@@ -133,7 +134,7 @@ def test_distractor_camera_shifts_and_zooms_the_objects():
     cube = {"shape": "cube", "color": "red", "material": "rubber", "size": "large", "x": 300.0, "y": 200.0}
 
     def red_box(**camera):
-        image = np.asarray(data.render([cube], {**data.SAME_CAMERA, **camera}), dtype=int)
+        image = np.asarray(synth.render([cube], {**synth.SAME_CAMERA, **camera}), dtype=int)
         ys, xs = np.nonzero(image[..., 0] - image[..., 2] > 40)
         return np.array([xs.min(), xs.max(), ys.min(), ys.max()])
 
@@ -146,8 +147,8 @@ def test_distractor_camera_shifts_and_zooms_the_objects():
 
 
 def test_ensure_synth_generates_only_when_missing(tmp_path):
-    root = data.ensure_synth(tmp_path / "s", pairs=10, seed=1)
+    root = synth.ensure_synth(tmp_path / "s", pairs=10, seed=1)
     assert len(data.read_split("synth", root, "train")) == 8
     stamp = (root / "scenes.json").stat().st_mtime_ns
-    data.ensure_synth(root, pairs=10, seed=1)
+    synth.ensure_synth(root, pairs=10, seed=1)
     assert (root / "scenes.json").stat().st_mtime_ns == stamp
