@@ -10,6 +10,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -17,6 +18,7 @@ import clip_weights
 import data
 import evaluate
 import train
+from data import InputError
 from model import CLIP4IDC, CLIP4IDCConfig, CLIPConfig
 
 # A CLIP small enough to train from scratch on a laptop CPU in minutes (128 px, patch 16).
@@ -26,32 +28,33 @@ SMALL_CLIP = CLIPConfig(embed_dim=128, image_size=128, patch_size=16, vision_wid
 
 @dataclass
 class AdaptConfig:  # defaults: Appendix B and the authors' code
-    data: str = "synth"  # clevr | spot | ier | synth
-    data_root: str = ""  # default: data/<data>
-    out_dir: str = ""  # default: out/adapt-<data>
-    preset: str = "vit-b/32"  # vit-b/32 | small
-    init: str = "openai"  # openai | random
-    clip: str = "ViT-B/32"  # OpenAI model name or checkpoint path, for --init openai
-    n_intra: int = 9
-    n_inter: int = 3
-    epochs: int = 12
+    data: Literal["synth", "clevr", "spot", "ier"] = "synth"  # dataset: synth is the offline CLEVR-Change look-alike
+    data_root: str = ""  # dataset folder (default: data/<data>)
+    out_dir: str = ""  # run folder for checkpoints and metrics (default: out/adapt-<data>)
+    preset: Literal["vit-b/32", "small"] = "vit-b/32"  # CLIP's shape: the paper's, or small enough for a CPU
+    init: Literal["openai", "random"] = "openai"  # start from OpenAI's weights or from scratch
+    clip: str = "ViT-B/32"  # with --init openai: OpenAI's model name or a checkpoint path
+    n_intra: int = 9  # layers that see one image (Table 7)
+    n_inter: int = 3  # layers that see the pair; n_intra + n_inter = CLIP's vision layers
+    epochs: int = 12  # passes over the training captions
     batch_size: int = 128  # the global batch, over all processes
     lr: float = 1e-4  # the new parameters (e1, e2, pair position embedding, LayerNorm)
     lr_clip: float = 1e-7  # CLIP's weights
-    weight_decay: float = 0.2  # matrices only
+    weight_decay: float = 0.2  # AdamW's, on matrices only
     beta2: float = 0.98  # AdamW's second-moment decay, as CLIP was trained
-    warmup: float = 0.1  # fraction of the steps; then cosine decay
-    grad_clip: float = 1.0
-    seed: int = 42
+    warmup: float = 0.1  # fraction of the steps with a rising rate; then cosine decay
+    grad_clip: float = 1.0  # largest gradient norm
+    seed: int = 42  # model initialisation, data order, distractor swaps
     max_steps: int = 0  # stop after this many steps (0: all epochs)
     cache: bool = False  # decode and resize every image once, into a uint8 file beside the data (data.ImageStore)
-    amp: str = "auto"  # auto (bf16, else fp16 on CUDA; off on CPU) | bf16 | fp16 | off
-    compile: bool = False
-    device: str = "auto"
+    amp: Literal["auto", "bf16", "fp16", "off"] = "auto"  # mixed precision; auto: bf16 (else fp16) on CUDA, off on CPU
+    compile: bool = False  # torch.compile the training step
+    device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)
     workers: int = -1  # loader processes (-1: from the machine's cores, see train.default_workers)
-    log_every: int = 20
+    log_every: int = 20  # steps between progress lines
     save_every: int = 500  # steps between resumable checkpoints (also at each epoch's end)
-    resume: bool = False
+    resume: bool = False  # continue the run in --out_dir from its last.pt
+    overwrite: bool = False  # replace the run in --out_dir with a new one
 
 
 # The offline default: what `--data synth` changes unless a flag says otherwise.
@@ -61,7 +64,7 @@ SYNTH_DEFAULTS = dict(preset="small", init="random", n_intra=3, n_inter=1, epoch
 
 def build_model(cfg):
     if cfg.preset == "small" and cfg.init == "openai":
-        raise ValueError("the small preset trains from scratch: add --init random, or use --preset vit-b/32")
+        raise InputError("--preset small trains from scratch: add --init random, or use --preset vit-b/32")
     if cfg.preset == "small":
         clip_config, clip = SMALL_CLIP, None
     elif cfg.init == "openai":
@@ -70,7 +73,7 @@ def build_model(cfg):
     else:
         clip_config, clip = CLIPConfig(), None
     if cfg.n_intra + cfg.n_inter != clip_config.vision_layers:
-        raise ValueError(f"--n_intra {cfg.n_intra} + --n_inter {cfg.n_inter} must equal the "
+        raise InputError(f"--n_intra {cfg.n_intra} + --n_inter {cfg.n_inter} must equal the "
                          f"{clip_config.vision_layers} vision layers of the '{cfg.preset}' model")
     return CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=cfg.n_intra), clip)
 
@@ -101,23 +104,21 @@ def main(argv=None):
             model.clip.logit_scale.clamp_(max=math.log(100))
 
     step0 = retrieval("test") if not cfg.resume and train.rank() == 0 else None
-    train.fit(cfg, model, train_set, validate, model.new_parameter_names(), "cosine", after_step=clamp_temperature,
-              log_extra=lambda: {"temp": f"{1 / model.clip.logit_scale.exp().item():.4f}"})
+    state = train.fit(cfg, model, train_set, validate, model.new_parameter_names(), "cosine", before=step0,
+                      after_step=clamp_temperature,
+                      log_extra=lambda: {"temp": f"{1 / model.clip.logit_scale.exp().item():.4f}"})
     if train.rank() != 0:
         return
     model.load_state_dict(torch.load(Path(cfg.out_dir) / "best.pt", map_location=device, weights_only=True)["model"])
-    results = {split: retrieval(split) for split in ("val", "test")}
-    if step0 is not None:
-        results["test_step0"] = step0
+    results = {"val": retrieval("val"), "test": retrieval("test"), "test_step0": state["before"]}
     with open(Path(cfg.out_dir) / "metrics.json", "w") as f:
         json.dump(results, f, indent=2)
-    chance = 100 / len(splits["test"])
     print(evaluate.format_retrieval(results["test"]))
-    if step0 is not None:
-        print(f"text -> pair R@1 on test: {results['test']['text_to_pair']['R@1']:.1f} after adaptation, "
-              f"{step0['text_to_pair']['R@1']:.1f} with zero adaptation steps, chance {chance:.1f}")
+    print(f"text -> pair R@1 on test: {results['test']['text_to_pair']['R@1']:.1f} after adaptation, "
+          f"{results['test_step0']['text_to_pair']['R@1']:.1f} with zero adaptation steps, "
+          f"chance {100 / len(splits['test']):.1f}")
     print(f"wrote {Path(cfg.out_dir) / 'metrics.json'}")
 
 
 if __name__ == "__main__":
-    main()
+    train.main(main)

@@ -10,10 +10,9 @@ pair parameters (e1, e2, pair position embedding) start random and move at --lr_
 the authors' code. The best epoch on val CIDEr is scored once on test, next to a blind baseline
 that writes the most frequent training caption. Several GPUs through torchrun (see train.py).
 """
-import json
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -22,43 +21,45 @@ import data
 import evaluate
 import train
 from adapt import AdaptConfig, build_model
+from data import InputError
 from model import CLIP4IDC, Captioner, CaptionerConfig
 
 
 @dataclass
 class CaptionConfig:  # defaults: Appendix B and the authors' code
-    data: str = "synth"  # clevr | spot | ier | synth
-    data_root: str = ""  # default: data/<data>
-    out_dir: str = ""  # default: out/caption-<data>
-    init_from: str = ""  # stage-1 checkpoint (default: out/adapt-<data>/best.pt) or "openai"
-    clip: str = "ViT-B/32"  # with --init_from openai: OpenAI model name or checkpoint path
-    n_intra: int = 9  # with --init_from openai
-    n_inter: int = 3
-    layers: int = 3
-    heads: int = 8
-    ffn: int = 2048
-    dropout: float = 0.1
-    attn_dropout: float = 0.1
-    max_len: int = 32
-    epochs: int = 50
+    data: Literal["synth", "clevr", "spot", "ier"] = "synth"  # dataset: synth is the offline CLEVR-Change look-alike
+    data_root: str = ""  # dataset folder (default: data/<data>)
+    out_dir: str = ""  # run folder for checkpoints, metrics and predictions (default: out/caption-<data>)
+    init_from: str = ""  # the pair encoder: a stage-1 checkpoint (default: out/adapt-<data>/best.pt), or openai
+    clip: str = "ViT-B/32"  # with --init_from openai: OpenAI's model name or a checkpoint path
+    n_intra: int = 9  # with --init_from openai: layers that see one image
+    n_inter: int = 3  # with --init_from openai: layers that see the pair
+    layers: int = 3  # captioning encoder layers, and as many decoder layers
+    heads: int = 8  # attention heads of the captioner
+    ffn: int = 2048  # hidden units of the captioner's feed-forward layers
+    dropout: float = 0.1  # the captioner's dropout
+    attn_dropout: float = 0.1  # the captioner's dropout on attention weights
+    max_len: int = 32  # caption tokens, SOT and EOT included, in training and decoding
+    epochs: int = 50  # at most: early stopping may end sooner
     batch_size: int = 16  # the global batch of pairs, over all processes
     lr: float = 1e-4  # the captioning model, with the word embeddings it shares with CLIP
     lr_clip: float = 1e-7  # the pair encoder
-    weight_decay: float = 0.01
+    weight_decay: float = 0.01  # AdamW's, on matrices only
     beta2: float = 0.999  # AdamW's second-moment decay, as the authors' BertAdam
-    warmup: float = 0.1  # fraction of the steps; then linear decay
-    grad_clip: float = 1.0
-    patience: int = 10  # early stopping on val CIDEr, in epochs
-    seed: int = 42
-    max_steps: int = 0
+    warmup: float = 0.1  # fraction of the steps with a rising rate; then linear decay
+    grad_clip: float = 1.0  # largest gradient norm
+    patience: int = 10  # stop after this many epochs without a better val CIDEr (0: never)
+    seed: int = 42  # model initialisation, data order, caption choice, dropout
+    max_steps: int = 0  # stop after this many steps (0: all epochs)
     cache: bool = False  # decode and resize every image once, into a uint8 file beside the data (data.ImageStore)
-    amp: str = "auto"
-    compile: bool = False
-    device: str = "auto"
+    amp: Literal["auto", "bf16", "fp16", "off"] = "auto"  # mixed precision; auto: bf16 (else fp16) on CUDA, off on CPU
+    compile: bool = False  # torch.compile the training step
+    device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)
     workers: int = -1  # loader processes (-1: from the machine's cores, see train.default_workers)
-    log_every: int = 50
-    save_every: int = 1000
-    resume: bool = False
+    log_every: int = 50  # steps between progress lines
+    save_every: int = 1000  # steps between resumable checkpoints (also at each epoch's end)
+    resume: bool = False  # continue the run in --out_dir from its last.pt
+    overwrite: bool = False  # replace the run in --out_dir with a new one
 
 
 # The offline default: a small captioner, and a pair encoder that was itself trained from scratch.
@@ -77,20 +78,13 @@ def build_captioner(cfg, device):
                                     "first, or pass --init_from PATH (or --init_from openai to skip adaptation)")
         encoder = clip_weights.load_checkpoint(path)
         if not isinstance(encoder, CLIP4IDC):
-            raise ValueError(f"{path} holds a captioner: --init_from takes the best.pt of an adapt.py run")
+            raise InputError(f"{path} holds a captioner: --init_from takes the best.pt of an adapt.py run")
     return Captioner(encoder, captioner_config(cfg)).to(device)
 
 
 def captioner_config(cfg):
     return CaptionerConfig(layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, dropout=cfg.dropout,
                            attn_dropout=cfg.attn_dropout, max_len=cfg.max_len)
-
-
-def blind_baseline(train_pairs, items):
-    """Ignore the images: write the most frequent training caption for every pair."""
-    captions = Counter(c for p in train_pairs for c in p.captions + p.distractor_captions)
-    caption = captions.most_common(1)[0][0]
-    return {item.id: caption for item in items}
 
 
 def main(argv=None):
@@ -112,21 +106,11 @@ def main(argv=None):
     train.fit(cfg, captioner, train_set, validate, captioner.new_parameter_names(), "linear", patience=cfg.patience)
     if train.rank() != 0:
         return
-    out = Path(cfg.out_dir)
-    captioner.load_state_dict(torch.load(out / "best.pt", map_location=device, weights_only=True)["model"])
-    preds = predict(test_items)
-    evaluate.write_predictions(out / "test_predictions.json", preds)
-    blind = blind_baseline(splits["train"], test_items)
-    results = {"test": evaluate.score_items(test_items, preds),
-               "blind_baseline": {"test": evaluate.score_items(test_items, blind)}}
-    with open(out / "metrics.json", "w") as f:
-        json.dump(results, f, indent=2)
-    print("test split, this model:")
-    print(evaluate.format_table(results["test"]))
-    print("test split, blind baseline (most frequent training caption for every pair):")
-    print(evaluate.format_table(results["blind_baseline"]["test"]))
-    print(f"wrote {out / 'metrics.json'} and {out / 'test_predictions.json'}")
+    captioner.load_state_dict(torch.load(Path(cfg.out_dir) / "best.pt", map_location=device, weights_only=True)["model"])
+    preds, results = evaluate.score_captions(captioner, test_items, splits["train"], "test", device, store, cfg.amp,
+                                             cfg.workers)
+    evaluate.save_results(cfg.out_dir, results, "test", preds)
 
 
 if __name__ == "__main__":
-    main()
+    train.main(main)

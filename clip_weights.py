@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from data import InputError
 from model import CLIP, CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
 MODELS = {  # the SHA-256 of each file is the path component before its name
@@ -63,10 +64,22 @@ def model_from_config(config):
 
 def load_checkpoint(path, device="cpu"):
     """The model of a run's best.pt or last.pt, in eval mode: a CLIP4IDC pair encoder (stage 1) or a Captioner."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = read_checkpoint(path)
+    if not (isinstance(ckpt, dict) and {"model", "model_config"} <= ckpt.keys()):
+        raise InputError(f"{path}: not a checkpoint of adapt.py or caption.py (a best.pt or last.pt)")
     model = model_from_config(ckpt["model_config"])
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval()
+
+
+def read_checkpoint(path):
+    """torch.load of a checkpoint, tensors and plain data only; a file it cannot read is named."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such checkpoint file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not torch's format, or pickled objects: all a bad file, not a bug
+        raise InputError(f"{path}: cannot read it as a checkpoint ({str(e).splitlines()[0]})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,9 +97,9 @@ def read_state_dict(path):
             warnings.simplefilter("ignore", FutureWarning)
             sd = torch.jit.load(path, map_location="cpu").state_dict()
     else:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        sd = read_checkpoint(path)
     if not isinstance(sd, dict):
-        raise ValueError(f"{path}: expected a state dict (OpenAI key names), got {type(sd).__name__}")
+        raise InputError(f"{path}: expected a state dict (OpenAI key names), got {type(sd).__name__}")
     return {k: v for k, v in sd.items() if k not in METADATA_KEYS}
 
 
@@ -101,12 +114,12 @@ def is_torchscript(path):
 def config_from_state_dict(sd):
     """The CLIPConfig of an OpenAI ViT checkpoint, read off its tensor shapes (as OpenAI's build_model does)."""
     if "visual.proj" not in sd and any(k.startswith("visual.layer1.") for k in sd):
-        raise ValueError("this is a ResNet CLIP checkpoint (RN50, RN101, ...); only ViT checkpoints are supported")
+        raise InputError("this is a ResNet CLIP checkpoint (RN50, RN101, ...); only ViT checkpoints are supported")
     required = ["visual.conv1.weight", "visual.positional_embedding", "visual.proj", "positional_embedding",
                 "token_embedding.weight", "ln_final.weight", "text_projection"]
     missing = [k for k in required if k not in sd]
     if missing:
-        raise ValueError(f"not a CLIP ViT checkpoint: missing keys {missing}")
+        raise InputError(f"not a CLIP ViT checkpoint: missing keys {missing}")
     vision_width, _, patch_size, _ = sd["visual.conv1.weight"].shape
     grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
     text_width = sd["ln_final.weight"].shape[0]
@@ -130,7 +143,7 @@ def count_blocks(sd, prefix):
     # reported as missing keys rather than shifting the last block into "unexpected".
     indices = [int(k[len(prefix):].split(".")[0]) for k in sd if k.startswith(prefix)]
     if not indices:
-        raise ValueError(f"not a CLIP ViT checkpoint: no keys start with {prefix!r}")
+        raise InputError(f"not a CLIP ViT checkpoint: no keys start with {prefix!r}")
     return 1 + max(indices)
 
 
@@ -142,9 +155,8 @@ def load_weights(model, sd):
     misshaped = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(ours[k].shape)}"
                  for k in ours.keys() & sd.keys() if sd[k].shape != ours[k].shape]
     if missing or unexpected or misshaped:
-        raise ValueError("checkpoint does not match model.CLIP:\n"
-                         f"  missing keys: {missing}\n  unexpected keys: {unexpected}\n"
-                         f"  mis-shaped keys: {sorted(misshaped)}")
+        raise InputError(f"checkpoint does not match model.CLIP: missing keys: {missing}; unexpected keys: "
+                         f"{unexpected}; mis-shaped keys: {sorted(misshaped)}")
     with torch.no_grad():
         for k, v in sd.items():
             ours[k].copy_(v)  # the release stores most weights in fp16; copy_ casts to our fp32

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,10 @@ import numpy as np
 import regex as re
 import torch
 from PIL import Image
+
+
+class InputError(ValueError):
+    """Bad input from the user (a flag, a file, an id): command lines print it as one line (train.main)."""
 
 # ---------------------------------------------------------------------------------------------
 # CLIP's byte-level BPE tokenizer
@@ -110,6 +115,8 @@ def tokenize(texts, context_length=77):
     """SOT + BPE ids + EOT, zero padded to `context_length`; overlong texts are cut and still end in EOT."""
     if isinstance(texts, str):
         texts = [texts]
+    if not (isinstance(texts, (list, tuple)) and all(isinstance(t, str) for t in texts)):
+        raise TypeError(f"tokenize takes a string or a list of strings, not {texts!r:.80}")
     tok = get_tokenizer()
     out = torch.zeros(len(texts), context_length, dtype=torch.long)
     for row, text in enumerate(texts):
@@ -152,28 +159,37 @@ def missing(dataset, path, what="not found"):
 
 
 def read_json(dataset, *candidates, keys=()):
-    """The JSON of the first existing candidate file; with `keys`, a list of objects that must have them."""
+    """(JSON, path) of the first existing candidate file; with `keys`, a list of objects that must have them."""
     path = next((p for p in candidates if p.is_file()), candidates[0])
     if not path.is_file():
         raise missing(dataset, path)
     try:
-        content = json.loads(path.read_text())
+        content = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as e:
         where = f"line {e.lineno} column {e.colno} (char {e.pos})"
-        raise ValueError(f"{path}: malformed JSON at {where}: {e.msg}") from None
+        raise InputError(f"{path}: malformed JSON at {where}: {e.msg}") from None
     if keys:
         for n, entry in enumerate(content if isinstance(content, list) else [None]):
             if not (isinstance(entry, dict) and all(k in entry for k in keys)):
-                raise ValueError(f"{path}: entry {n} is not an object with keys {', '.join(keys)}")
-    return content
+                raise InputError(f"{path}: entry {n} is not an object with keys {', '.join(keys)}")
+    return content, path
+
+
+def caption_list(value, path, where):
+    """`value` if it is a non-empty list of caption strings: a bare string would become one caption a letter."""
+    if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+        raise InputError(f"{path}: {where}: expected a non-empty list of caption strings, got {json.dumps(value):.80}")
+    return value
 
 
 def read_clevr(root, split):
-    splits = read_json("clevr", root / "splits.json")
+    splits, path = read_json("clevr", root / "splits.json")
     if split not in splits:
-        raise ValueError(f"{root / 'splits.json'}: no split {split!r} (it has {', '.join(splits)})")
-    change, no_change, types = (read_json("clevr", root / f"{name}.json")
-                                for name in ("change_captions", "no_change_captions", "type_mapping"))
+        raise InputError(f"{path}: no split {split!r} (it has {', '.join(splits)})")
+    if not all(isinstance(i, int) for i in splits[split]):
+        raise InputError(f"{path}: split {split!r}: expected a list of integer image ids")
+    (change, change_path), (no_change, no_change_path), (types, _) = (
+        read_json("clevr", root / f"{name}.json") for name in ("change_captions", "no_change_captions", "type_mapping"))
     type_of = {name: kind for kind, names in types.items() for name in names}
     pairs, uncaptioned = [], []
     for i in splits[split]:
@@ -182,8 +198,9 @@ def read_clevr(root, split):
             uncaptioned.append(i)
             continue
         pairs.append(Pair(name, root / "images" / default, root / "sc_images" / f"CLEVR_semantic_{name}",
-                          change[default], type_of.get(name), root / "nsc_images" / f"CLEVR_nonsemantic_{name}",
-                          no_change[default]))
+                          caption_list(change[default], change_path, default), type_of.get(name),
+                          root / "nsc_images" / f"CLEVR_nonsemantic_{name}",
+                          caption_list(no_change[default], no_change_path, default)))
     if uncaptioned:  # the published data has a few such ids; the reference loaders cannot use them either
         log.warning("%s %s: skipped %d of %d ids without change or no-change captions (first: %s)", root, split,
                     len(uncaptioned), len(splits[split]), ", ".join(map(str, uncaptioned[:5])))
@@ -191,37 +208,62 @@ def read_clevr(root, split):
 
 
 def read_spot(root, split):
-    entries = read_json("spot", root / f"{split}.json", root / "annotations" / f"{split}.json",
-                        keys=("img_id", "sentences"))
+    entries, path = read_json("spot", root / f"{split}.json", root / "annotations" / f"{split}.json",
+                              keys=("img_id", "sentences"))
     images = root / "resized_images" if (root / "resized_images").is_dir() else root / "images"
     sentences = {}  # one img_id may be annotated in several entries: merge them into one pair
-    for entry in entries:
-        sentences.setdefault(str(entry["img_id"]), []).extend(entry["sentences"])
+    for n, entry in enumerate(entries):
+        sentences.setdefault(str(entry["img_id"]), []).extend(caption_list(entry["sentences"], path, f"entry {n}"))
     return [Pair(f"{i}.png", images / f"{i}.png", images / f"{i}_2.png", sents) for i, sents in sentences.items()]
 
 
 def read_ier(root, split):
     split = {"val": "valid"}.get(split, split)
-    entries = read_json("ier", root / f"{split}.json", root / "dataset" / "adobe" / f"{split}.json",
-                        keys=("img0", "img1", "sents", "uid"))
-    return [Pair(e["uid"], root / "images" / e["img0"], root / "images" / e["img1"], e["sents"]) for e in entries]
+    entries, path = read_json("ier", root / f"{split}.json", root / "dataset" / "adobe" / f"{split}.json",
+                              keys=("img0", "img1", "sents", "uid"))
+    return [Pair(e["uid"], root / "images" / e["img0"], root / "images" / e["img1"],
+                 caption_list(e["sents"], path, f"entry {n} (uid {e['uid']!r})")) for n, e in enumerate(entries)]
 
 
 def read_split(dataset, root, split):
     """The pairs of one split; "synth" is our CLEVR-Change look-alike and shares its reader."""
     dataset = "clevr" if dataset == "synth" else dataset
     if dataset not in SOURCES:
-        raise ValueError(f"unknown dataset {dataset!r}; expected one of clevr, spot, ier, synth")
+        raise InputError(f"unknown dataset {dataset!r}; expected one of clevr, spot, ier, synth")
     root = Path(root)
     if not root.is_dir():
         raise missing(dataset, root, "no such folder")
     pairs = {"clevr": read_clevr, "spot": read_spot, "ier": read_ier}[dataset](root, split)
+    repeated = [i for i, n in Counter(p.id for p in pairs).items() if n > 1]
+    if repeated:
+        raise InputError(f"{root} {split}: ids {repeated[:5]} name more than one pair; each pair needs its own id")
+    pairs = without_blank_captions(pairs, f"{root} {split}")
     lacking = [(p.id, q) for p in pairs for q in (p.before, p.after, p.distractor) if q and not q.is_file()]
     if lacking:
         ids = list(dict.fromkeys(i for i, _ in lacking))
         raise missing(dataset, lacking[0][1], f"not found, and {len(ids)} of {len(pairs)} {split} pairs lack "
                                               f"image files (ids {', '.join(ids[:5])}{', ...' * (len(ids) > 5)})")
     return pairs
+
+
+def worded(caption):
+    return any(c.isalnum() for c in caption)
+
+
+def without_blank_captions(pairs, where):
+    """Leave out captions without a letter or digit (empty, punctuation only), and the pairs they leave
+    without any: nothing to learn or to score against. Says how many and which."""
+    blank = [p.id for p in pairs if not all(map(worded, p.captions + p.distractor_captions))]
+    if not blank:
+        return pairs
+    for p in pairs:
+        p.captions = [c for c in p.captions if worded(c)]
+        p.distractor_captions = [c for c in p.distractor_captions if worded(c)]
+    kept = [p for p in pairs if p.captions and (p.distractor is None or p.distractor_captions)]
+    log.warning("%s: %d pairs have empty or punctuation-only captions, left out (first: %s); %d pairs are left "
+                "without any caption and are left out", where, len(blank), ", ".join(map(str, blank[:5])),
+                len(pairs) - len(kept))
+    return kept
 
 
 def eval_items(pairs):
@@ -248,12 +290,22 @@ def read_array(path, size):
     forked, and torch's thread pool does not survive a fork."""
     try:
         with Image.open(path) as image:
-            image = image.convert("RGB").resize((size, size), Image.BICUBIC)
+            image = to_rgb(image).resize((size, size), Image.BICUBIC)
     except FileNotFoundError:
         raise
-    except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for truncated or unrecognised files
-        raise ValueError(f"{path}: cannot read image ({e})") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated, unknown, too large
+        raise InputError(f"{path}: cannot read image ({e})") from None
     return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
+
+
+def to_rgb(image):
+    """8-bit RGB by the image's real value range: Pillow's own conversion clips 16-bit images (0-65535)
+    to white and float images (0-1) to black. Float images holding values above 1 are taken as 0-255."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+        values = np.nan_to_num(np.asarray(image, dtype=np.float32))
+        scale = 1 / 257 if image.mode != "F" else 255 if values.max() <= 1 else 1
+        image = Image.fromarray((values * scale).clip(0, 255).round().astype(np.uint8))
+    return image.convert("RGB")
 
 
 def format_eta(seconds):
@@ -277,12 +329,12 @@ class ImageStore:
         if not (index_path.is_file() and self.path.is_file() and json.loads(index_path.read_text()) == index):
             index_path.unlink(missing_ok=True)  # the index goes last: it vouches for the pixels
             build_store(self.path, files, size)
-            index_path.with_suffix(".tmp").write_text(json.dumps(index))
-            os.replace(index_path.with_suffix(".tmp"), index_path)
+            index_path.with_suffix(f".{os.getpid()}.tmp").write_text(json.dumps(index))
+            os.replace(index_path.with_suffix(f".{os.getpid()}.tmp"), index_path)
 
     def __call__(self, path, size):
         if size != self.size:
-            raise ValueError(f"{self.path} holds {self.size} px images, not {size} px")
+            raise InputError(f"{self.path} holds {self.size} px images, not {size} px")
         if self.pixels is None:  # mapped in each process that reads, DataLoader workers included
             self.pixels = np.memmap(self.path, np.uint8, "r", shape=(len(self.row), 3, size, size))
         return torch.from_numpy(np.array(self.pixels[self.row[os.path.abspath(path)]]))
@@ -295,7 +347,7 @@ def stamp(path):
 
 def build_store(path, files, size):
     """Decode and resize `files` on every core into the uint8 file `path`, written whole or not at all."""
-    tmp, start = Path(f"{path}.tmp"), time.time()
+    tmp, start = Path(f"{path}.{os.getpid()}.tmp"), time.time()  # two runs may build at once: last one wins
     tmp.parent.mkdir(parents=True, exist_ok=True)
     pixels = np.memmap(tmp, np.uint8, "w+", shape=(len(files), 3, size, size))
     with multiprocessing.Pool(min(os.cpu_count() or 1, 1 + len(files) // 64)) as pool:

@@ -1,13 +1,15 @@
 """Evaluation for CLIP4IDC: IP-T / T-IP retrieval (stage 1) and greedy captions (stage 2) over a
 split, their metrics with the per-type CIDEr breakdown of CLEVR-Change, and a command line that
-scores a predictions file or runs a trained captioner on one's own image pair (any sizes, any
+scores a predictions file or a checkpoint, or captions one's own image pairs (any sizes, any
 format Pillow reads).
 
     python evaluate.py --predictions out/preds.json --data clevr --data_root data/clevr_change --out m.json
-    python evaluate.py --ckpt out/caption-synth/best.pt --pair before.png after.jpg
+    python evaluate.py --ckpt out/caption-clevr/best.pt --data clevr --data_root data/clevr_change --split test
     python evaluate.py --ckpt out/caption-synth/best.pt --pair before.png after.jpg --attention att.png
+    python evaluate.py --ckpt out/caption-synth/best.pt --pairs pairs.txt --out captions.jsonl
 
---attention also saves the class tokens' attention over both images, as in the paper's Figure 3.
+A stage-1 checkpoint over a split gives the retrieval table instead. --attention also saves the
+class tokens' attention over both images, as in the paper's Figure 3.
 
 Captioning follows the IDC protocol of Sec. 3.1: BLEU-1..4, METEOR, ROUGE-L and CIDEr-D computed by
 pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR run on Java.
@@ -15,6 +17,9 @@ pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR 
 import argparse
 import json
 import shutil
+import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +34,9 @@ from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
 import clip_weights
 import data
-from data import EOT
+import train
+from data import EOT, InputError
 from model import Captioner
-from train import make_loader, mixed_precision
 
 # ---------------------------------------------------------------------------------------------
 # Retrieval: image pair -> text (IP-T) and text -> image pair (T-IP), Tables 6 and 7
@@ -45,8 +50,8 @@ def encode_split(model, pairs, device, store=None, amp="auto", workers=-1):
     """Pooled pair vectors v (Eq. 5) of every pair, caption vectors g of every reference caption,
     both normalised, and for each caption the index of its pair; under the training's autocast."""
     model.eval()
-    autocast, _ = mixed_precision(device, amp)
-    loader = make_loader(data.EvalDataset(pairs, model.config.clip.image_size, store), EVAL_BATCH, device, workers)
+    autocast, _ = train.mixed_precision(device, amp)
+    loader = train.make_loader(data.EvalDataset(pairs, model.config.clip.image_size, store), EVAL_BATCH, device, workers)
     captions = [(i, c) for i, p in enumerate(pairs) for c in p.captions]
     tokens = data.tokenize([c for _, c in captions], model.config.context_length)
     with autocast:
@@ -125,16 +130,21 @@ def ids_to_text(ids):
 
 
 @torch.no_grad()
-def predict(captioner, items, device, store=None, amp="auto", workers=-1):
+def predict(captioner, items, device, store=None, amp="auto", workers=-1, progress=False):
     """Greedy captions for every evaluation item: {item id: caption}; under the training's autocast."""
     captioner.eval()
-    autocast, _ = mixed_precision(device, amp)
+    autocast, _ = train.mixed_precision(device, amp)
     size = captioner.encoder.config.clip.image_size
-    preds = {}
-    for index, before, after in make_loader(data.EvalDataset(items, size, store), EVAL_BATCH, device, workers):
+    preds, start = {}, time.time()
+    for index, before, after in train.make_loader(data.EvalDataset(items, size, store), EVAL_BATCH, device, workers):
         with autocast:
             ids = captioner.generate(before.to(device), after.to(device))
         preds.update((items[i].id, text) for i, text in zip(index.tolist(), ids_to_text(ids)))
+        if progress:
+            eta = data.format_eta((len(items) - len(preds)) * (time.time() - start) / len(preds))
+            print(f"\rcaptioned {len(preds)}/{len(items)} pairs, eta {eta}", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
     return preds
 
 
@@ -315,7 +325,7 @@ def save_attention(captioner, before, after, paths, out):
 
 
 # ---------------------------------------------------------------------------------------------
-# Prediction files (COCO results format) and the command line
+# Prediction files (COCO results format), a checkpoint over a split, and the command line
 # ---------------------------------------------------------------------------------------------
 def write_predictions(path, preds):
     """Write {id: caption} as COCO results: [{"image_id": id, "caption": caption}, ...]."""
@@ -325,12 +335,63 @@ def write_predictions(path, preds):
 
 
 def read_predictions(path):
+    """{image_id: caption} of a COCO results file; what is not one is named with its first bad entry."""
+    try:
+        results = json.loads(Path(path).read_text(encoding="utf-8-sig"))  # a byte-order mark is fine
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(results, list):
+        raise InputError(f'{path}: expected a list of {{"image_id", "caption"}} objects, not a {type(results).__name__}')
     preds = {}
-    for r in json.loads(Path(path).read_text()):
+    for n, r in enumerate(results):
+        if not (isinstance(r, dict) and isinstance(r.get("image_id"), (str, int)) and isinstance(r.get("caption"), str)):
+            raise InputError(f"{path}: entry {n} is not an object with an image_id and a caption string: {json.dumps(r):.80}")
         if r["image_id"] in preds:
-            raise ValueError(f"{path}: more than one caption for image_id {r['image_id']!r}")
+            raise InputError(f"{path}: more than one caption for image_id {r['image_id']!r}")
         preds[r["image_id"]] = r["caption"]
     return preds
+
+
+def blind_baseline(train_pairs, items):
+    """Ignore the images: write the most frequent training caption for every pair."""
+    captions = Counter(c for p in train_pairs for c in p.captions + p.distractor_captions)
+    caption = captions.most_common(1)[0][0]
+    return {item.id: caption for item in items}
+
+
+def score_captions(captioner, items, train_pairs, split, device, store=None, amp="auto", workers=-1):
+    """Greedy captions of a split's items and their metrics, beside a blind baseline's; printed as in
+    Tables 1 and 2. The end of caption.py, and `evaluate.py --ckpt --data_root`."""
+    preds = predict(captioner, items, device, store, amp, workers)
+    results = {split: score_items(items, preds),
+               "blind_baseline": {split: score_items(items, blind_baseline(train_pairs, items))}}
+    print(f"{split} split, this model:\n{format_table(results[split])}")
+    print(f"{split} split, blind baseline (most frequent training caption for every pair):\n"
+          f"{format_table(results['blind_baseline'][split])}")
+    return preds, results
+
+
+def save_results(out, results, split=None, preds=None):
+    """metrics.json and, for captions, <split>_predictions.json in the folder `out`."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "metrics.json").write_text(json.dumps(results, indent=2))
+    if preds is not None:
+        write_predictions(Path(out) / f"{split}_predictions.json", preds)
+    print(f"wrote {out}/metrics.json" + (f" and {out}/{split}_predictions.json" if preds is not None else ""))
+
+
+def score_checkpoint(args, device):
+    """A checkpoint over a split: a captioner's metrics (Tables 1-4), a pair encoder's retrieval (Table 7)."""
+    model = clip_weights.load_checkpoint(args.ckpt, device)
+    pairs = data.read_split(args.data, args.data_root, args.split)
+    if isinstance(model, Captioner):
+        train_pairs = data.read_split(args.data, args.data_root, "train")
+        preds, results = score_captions(model, data.eval_items(pairs), train_pairs, args.split, device)
+    else:
+        preds, results = None, {args.split: retrieval(model, pairs, device)}
+        print(f"{args.data} {args.split}: {len(pairs)} image pairs\n{format_retrieval(results[args.split])}")
+    if args.out_dir:
+        save_results(args.out_dir, results, args.split, preds)
 
 
 def score_predictions(args):
@@ -342,22 +403,38 @@ def score_predictions(args):
         Path(args.out).write_text(json.dumps({args.split: metrics}, indent=2))
 
 
-def run_captioner(parser, args):
-    if not (args.ckpt and args.pair):
-        parser.error("give --ckpt and --pair (and optionally --attention)")
-    if not Path(args.ckpt).is_file():
-        parser.error(f"no checkpoint at {args.ckpt}: train one with `python caption.py`")
-    for path in args.pair:
-        if not Path(path).is_file():
-            parser.error(f"no image at {path}")
-    captioner = clip_weights.load_checkpoint(args.ckpt)
-    if not isinstance(captioner, Captioner):
-        parser.error(f"{args.ckpt} holds a stage-1 pair encoder: --pair needs the best.pt of a caption.py run")
+def read_pair_list(path):
+    """The (before, after) image paths of each non-empty line of a text file: two paths separated by
+    a tab (paths with spaces) or by spaces."""
+    pairs = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
+        if line.strip():
+            fields = line.strip().split("\t") if "\t" in line else line.split()
+            if len(fields) != 2:
+                raise InputError(f"{path}: line {n}: expected two image paths (before, after), found {len(fields)}")
+            pairs.append(tuple(Path(path).parent / f for f in fields))  # relative paths: from the file's folder
+    absent = [q for pair in pairs for q in pair if not q.is_file()]
+    if absent:
+        raise InputError(f"{path}: {len(absent)} images not found, e.g. {absent[0]}")
+    return pairs
+
+
+def caption_pairs(captioner, args, device):
+    """Every pair of --pairs, captioned: one JSON object a line, to --out or the standard output."""
+    pairs = read_pair_list(args.pairs)
+    items = [data.Pair(str(n), before, after, []) for n, (before, after) in enumerate(pairs)]
+    preds = predict(captioner, items, device, workers=0, progress=True)
+    lines = [json.dumps({"before": str(p.before), "after": str(p.after), "caption": preds[p.id]}) for p in items]
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        print(f"wrote {len(lines)} captions to {args.out}")
+    else:
+        print("\n".join(lines))
+
+
+def caption_one_pair(captioner, args):
     size = captioner.encoder.config.clip.image_size
-    try:
-        before, after = (data.read_pixels(p, size)[None] for p in args.pair)
-    except ValueError as e:  # a file Pillow cannot read: data.read_pixels names it
-        parser.error(str(e))
+    before, after = (data.read_pixels(p, size)[None] for p in args.pair)
     print(caption_pair(captioner, before, after))
     if args.attention:
         save_attention(captioner, before, after, args.pair, args.attention)
@@ -366,25 +443,46 @@ def run_captioner(parser, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    scoring = parser.add_argument_group("score a predictions file against a split's references")
-    scoring.add_argument("--predictions", help='COCO results json: [{"image_id", "caption"}, ...]')
-    scoring.add_argument("--data", default="clevr", help="dataset name, as data.read_split takes it")
-    scoring.add_argument("--data_root", help="dataset folder")
-    scoring.add_argument("--split", default="test")
-    scoring.add_argument("--out", help="write the metrics json here")
-
-    model_modes = parser.add_argument_group("run a trained captioner")
-    model_modes.add_argument("--ckpt", help="stage-2 checkpoint")
-    model_modes.add_argument("--pair", nargs=2, metavar=("BEFORE", "AFTER"), help="images to caption")
-    model_modes.add_argument("--attention", metavar="PNG", help="also save the attention figure here")
+    parser.add_argument("--predictions", help='score this COCO results json: [{"image_id", "caption"}, ...]')
+    parser.add_argument("--ckpt", help="run this checkpoint: best.pt or last.pt of adapt.py or caption.py")
+    parser.add_argument("--data", default="clevr", choices=("clevr", "spot", "ier", "synth"), help="(default: clevr)")
+    parser.add_argument("--data_root", help="dataset folder: score --predictions, or --ckpt over --split")
+    parser.add_argument("--split", default="test", help="(default: test)")
+    parser.add_argument("--pair", nargs=2, metavar=("BEFORE", "AFTER"), help="with --ckpt: caption these two images")
+    parser.add_argument("--attention", metavar="PNG", help="with --pair: also save the attention figure here")
+    parser.add_argument("--pairs", metavar="TXT", help="with --ckpt: caption the two image paths of each line")
+    parser.add_argument("--out", help="write here the metrics json (--predictions) or the captions (--pairs)")
+    parser.add_argument("--out_dir", help="with --ckpt --data_root: write metrics.json and <split>_predictions.json here")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     args = parser.parse_args(argv)
 
-    if args.ckpt or args.pair or args.attention:
-        return run_captioner(parser, args)
-    if not (args.predictions and args.data_root):
-        parser.error("give --predictions and --data_root")
-    score_predictions(args)
+    modes = [name for name in ("predictions", "pair", "pairs") if getattr(args, name)]
+    if args.ckpt and args.data_root and not (args.pair or args.pairs):
+        modes.append("data_root")
+    if len(modes) != 1 or (args.predictions is None) == (args.ckpt is None):
+        parser.error("give --predictions with --data_root, or --ckpt with one of --pair, --pairs, --data_root")
+    if args.predictions and not args.data_root:
+        parser.error("--predictions needs --data_root, the dataset it scores against")
+    if args.attention and not args.pair:
+        parser.error("--attention draws the figure of one --pair")
+    if args.attention and Path(args.attention).suffix.lower() not in Image.registered_extensions():
+        parser.error(f"--attention {args.attention}: expected an image file name, such as attention.png")
+    for out in (args.out, args.out_dir and Path(args.out_dir) / "metrics.json"):
+        if out and Path(out).is_dir():
+            parser.error(f"{out} is a folder: --out names the file to write")
+    if args.predictions:
+        return score_predictions(args)
+    device = train.setup_device(args)
+    if args.data_root:
+        return score_checkpoint(args, device)
+    captioner = clip_weights.load_checkpoint(args.ckpt, device)
+    if not isinstance(captioner, Captioner):
+        parser.error(f"{args.ckpt} holds a stage-1 pair encoder: captions need a caption.py checkpoint")
+    if args.pair:
+        caption_one_pair(captioner, args)
+    else:
+        caption_pairs(captioner, args, device)
 
 
 if __name__ == "__main__":
-    main()
+    train.main(main)

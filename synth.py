@@ -10,6 +10,7 @@ scenes.json beside the captions holds the scene graphs the images were drawn fro
 import argparse
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from data import InputError
 
 log = logging.getLogger("synth")
 
@@ -180,13 +183,17 @@ def synth_pair(i, seed):
     return scene, change_captions(kind, before, after, old, new, rng), rng.sample(NO_CHANGE, 5)
 
 
+MIN_PAIRS = 10  # a tenth of them for val and a tenth for test: at least one pair each
+
+
 def write_synth(out, n_pairs, seed):
     """Write `n_pairs` pairs to `out` in CLEVR-Change's layout, plus scenes.json with the scene graphs drawn."""
     out = Path(out)
+    if n_pairs < MIN_PAIRS:
+        raise InputError(f"--pairs {n_pairs}: expected at least {MIN_PAIRS}, for non-empty val and test splits")
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new folder for the synthetic dataset")
-    tmp = out.with_name(out.name + ".partial")  # renamed when complete: an interrupted run leaves no dataset
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")  # renamed when whole: a killed run leaves no dataset
     files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
     for folder in ("images", "sc_images", "nsc_images"):
         (tmp / folder).mkdir(parents=True)
@@ -207,7 +214,12 @@ def write_synth(out, n_pairs, seed):
     files["splits"] = {split: list(range(a, b)) for split, a, b in zip(("train", "val", "test"), ends, ends[1:])}
     for name, content in files.items():
         (tmp / f"{name}.json").write_text(json.dumps(content))
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process wrote the same dataset first
+        shutil.rmtree(tmp)
+        if not out.is_dir():
+            raise
 
 
 def ensure_synth(root, pairs=2400, seed=0):
@@ -225,5 +237,8 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     start = time.perf_counter()
-    write_synth(args.out, args.pairs, args.seed)
+    try:
+        write_synth(args.out, args.pairs, args.seed)
+    except (InputError, FileExistsError) as e:
+        parser.error(str(e))
     print(f"wrote {args.pairs} pairs to {args.out} in {time.perf_counter() - start:.0f} s")

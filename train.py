@@ -14,16 +14,24 @@ prints, generates data, builds the image store, validates, and writes checkpoint
 import argparse
 import atexit
 import dataclasses
+import inspect
 import itertools
 import logging
 import math
 import os
+import re
 import sys
 import time
-from contextlib import nullcontext
+import typing
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: runs are not locked against a second run on the same folder
+    fcntl = None
 
 import torch
 import torch.distributed as dist
@@ -32,35 +40,73 @@ from torch.nn.parallel import DistributedDataParallel
 import clip_weights
 import data
 import synth
+from data import InputError
 from model import distributed
 
+# The values a flag may take, both ends included (None: open); checked before anything is built.
+LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), "save_every": (1, None),
+          "max_steps": (0, None), "patience": (0, None), "workers": (-1, None), "lr": (0, None), "lr_clip": (0, None),
+          "weight_decay": (0, None), "grad_clip": (0, None), "warmup": (0, 1), "beta2": (0, 1), "dropout": (0, 0.99),
+          "attn_dropout": (0, 0.99), "n_intra": (0, None), "n_inter": (0, None), "layers": (1, None),
+          "heads": (1, None), "ffn": (1, None), "max_len": (2, None)}
+# What a resumed run may change: nothing that shapes the model, the optimiser or the data order.
+RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root")
+
 
 # ---------------------------------------------------------------------------------------------
-# Flags, processes, device and precision
+# Flags, run folder, processes, device and precision
 # ---------------------------------------------------------------------------------------------
+def main(run, argv=None):
+    """Run a command line's `run(argv)`: bad input (InputError, a missing file) ends in one line on
+    stderr and exit status 2, as argparse does; any other failure keeps its traceback."""
+    try:
+        run(argv)
+    except (InputError, FileNotFoundError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def field_help(config_cls):
+    """Each field's trailing comment in the dataclass source: its flag's help."""
+    lines = inspect.getsource(config_cls).splitlines()
+    return dict(m.groups() for m in map(re.compile(r"\s+(\w+): .*?#\s*(.*)").match, lines) if m)
+
+
 def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None):
     """Every dataclass field becomes a flag; `--data synth` first applies `synth_defaults`."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    changed = ", ".join(f"--{k} {v}" for k, v in synth_defaults.items())
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f"--data synth (the offline default) sets: {changed}")
+    comments = field_help(config_cls)
     for f in dataclasses.fields(config_cls):
-        if f.type is bool or f.type == "bool":
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None)
+        default = "" if f.default == "" else f" (default: {f.default})"
+        kind = dict(help=comments.get(f.name, "") + default, default=None)
+        if f.type is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kind)
         else:
-            parser.add_argument(f"--{f.name}", type=type(f.default), default=None)
+            choices = typing.get_args(f.type) if typing.get_origin(f.type) is typing.Literal else None
+            parser.add_argument(f"--{f.name}", type=type(f.default), choices=choices, **kind)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     cfg = config_cls(**given)
     if cfg.data == "synth":
         cfg = dataclasses.replace(cfg, **{**synth_defaults, **given})
-    if not cfg.data_root:
-        cfg.data_root = f"data/{cfg.data}"
-    if not cfg.out_dir:
-        cfg.out_dir = f"out/{stage}-{cfg.data}"
+    for name, (low, high) in LIMITS.items():
+        value = getattr(cfg, name, None)
+        if value is not None and not (low <= value and (high is None or value <= high)):
+            parser.error(f"--{name} {value}: expected a value {f'in [{low}, {high}]' if high is not None else f'>= {low}'}")
+    cfg.data_root = cfg.data_root or f"data/{cfg.data}"
+    cfg.out_dir = cfg.out_dir or f"out/{stage}-{cfg.data}"
     return cfg
 
 
 def start_run(config_cls, synth_defaults, stage, argv=None, doc=None):
-    """The first steps of both stages: flags, processes, device, seeds. Only rank 0 prints."""
+    """The first steps of both stages: flags, checks of the data and run folders, processes, device,
+    seeds. Only rank 0 prints. Nothing is built, downloaded or written before the checks pass."""
     cfg = parse_config(config_cls, synth_defaults, stage, argv, doc)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if cfg.data != "synth" and not Path(cfg.data_root).is_dir():
+        raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
+    check_run_folder(cfg)
     device = setup_device(cfg)
     if rank() != 0:
         sys.stdout = open(os.devnull, "w")
@@ -69,10 +115,54 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None):
     return cfg, device
 
 
+RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")
+
+
+def check_run_folder(cfg):
+    """--out_dir may hold an earlier run only with --resume (same settings) or --overwrite."""
+    out = Path(cfg.out_dir)
+    earlier = [name for name in RUN_FILES if (out / name).exists()]
+    if cfg.resume and cfg.overwrite:
+        raise InputError("--resume continues the run in --out_dir and --overwrite starts it anew: give one")
+    if cfg.resume and not (out / "last.pt").is_file():
+        raise InputError(f"--resume: there is no {out / 'last.pt'} to resume from")
+    if cfg.resume:
+        saved = torch.load(out / "last.pt", map_location="cpu", weights_only=True)["config"]
+        changed = {k: (saved.get(k), v) for k, v in asdict(cfg).items() if k not in RESUME_FREE and saved.get(k) != v}
+        if changed:
+            raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
+                             f"{changed}; resume with the same ones")
+    elif earlier and not cfg.overwrite:
+        raise InputError(f"{out} holds an earlier run ({', '.join(earlier)}): pass --resume to continue it, "
+                         "--overwrite to start it anew, or another --out_dir")
+
+
+@contextmanager
+def locked(out):
+    """Hold out/.lock while training (the system frees it too if the process dies), so a second run on
+    the same folder is refused rather than racing on the same files."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        if fcntl:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise InputError(f"{out} is in use by another run; wait for it, or give another --out_dir") from None
+        try:
+            yield
+        finally:
+            (out / ".lock").unlink(missing_ok=True)
+
+
 def setup_device(cfg):
     """The device --device names (auto: cuda if there is one); under torchrun also the process
     group, each process on cuda:LOCAL_RANK."""
-    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError:
+        raise InputError(f"--device {cfg.device}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {cfg.device}: no CUDA GPU is visible")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -222,16 +312,10 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# Settings that fix the sequence of batches and learning rates: a resumed run must keep them.
-RESUME_FIXED = ("data", "batch_size", "epochs", "max_steps", "seed", "lr", "lr_clip", "warmup")
-
-
-def resume(path, run, cfg):
-    """Restore model, optimiser, schedule, grad scaler and RNG from last.pt; return the loop's state."""
+def resume(path, run):
+    """Restore model, optimiser, schedule, grad scaler and RNG from last.pt (whose settings
+    check_run_folder compared); return the loop's state."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    changed = {k: (ckpt["config"][k], getattr(cfg, k)) for k in RESUME_FIXED if ckpt["config"][k] != getattr(cfg, k)}
-    if changed:
-        raise ValueError(f"{path} was written with other settings (saved, now): {changed}; resume with the same flags")
     for name, obj in run.items():
         if obj is not None:
             obj.load_state_dict(ckpt[name])
@@ -261,11 +345,12 @@ def update(model, loss, optimizer, scaler, grad_clip):
         optimizer.step()
 
 
-def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_step=None, log_extra=None):
+def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_step=None, log_extra=None, before=None):
     """The training loop of both stages: model(*batch) is the loss of a batch of `train_set`.
 
     validate() -> (score, metrics) at each epoch's end, higher is better, run by rank 0 alone: the
-    best model goes to best.pt. Resumable from last.pt with --resume. Returns the run's state.
+    best model goes to best.pt. Resumable from last.pt with --resume. `before` (metrics measured
+    before the first step) is kept in the run's state, which fit returns.
     """
     out, device = Path(cfg.out_dir), next(model.parameters()).device
     autocast, scaler = mixed_precision(device, cfg.amp)
@@ -280,10 +365,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     optimizer = make_optimizer(model, new_names, cfg)
     schedule = make_schedule(optimizer, total, cfg.warmup, decay)
     run = dict(model=model, optimizer=optimizer, schedule=schedule, scaler=scaler)  # all that last.pt restores
-    state = dict(step=0, best=-math.inf, best_epoch=0, history=[], stopped=False)
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.resume and (out / "last.pt").exists():
-        state = resume(out / "last.pt", run, cfg)
+    state = dict(step=0, best=-math.inf, best_epoch=0, history=[], stopped=False, before=before)
     net = DistributedDataParallel(model) if distributed() else model  # gradients averaged over processes
     # On one GPU, CUDA graphs replay each compiled step with one launch instead of hundreds.
     graphs = cfg.compile and device.type == "cuda" and not distributed()
@@ -320,25 +402,32 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
             state["stopped"] = True
         checkpoint()
 
-    while state["step"] < total and not state["stopped"]:
-        epoch, done = divmod(state["step"], steps_per_epoch)
-        sampler.set_epoch(epoch, skip=done * cfg.batch_size)
-        model.train()
-        since, pairs, steps = time.time(), 0, 0  # the speed of the steps since the last progress line
-        for batch in itertools.islice(loader, min(steps_per_epoch - done, total - state["step"])):
-            batch = [t.to(device, non_blocking=True) for t in batch]
-            pairs += batch[1].shape[:-3].numel() * world()  # after images [B, (k,) 3, H, W], all processes
-            loss = train_step(batch)
-            state["step"], steps = state["step"] + 1, steps + 1
-            if state["step"] % cfg.log_every == 0 or state["step"] == total:  # the only host syncs: printed values
-                extra = "".join(f" {k} {v}" for k, v in (log_extra() if log_extra else {}).items())
-                value = loss.item()  # waits for the GPU: the steps since the last line are done
-                seconds = time.time() - since
-                print(f"epoch {epoch + 1}/{cfg.epochs} step {state['step']}/{total} loss {value:.4f} "
-                      f"lr {max(schedule.get_last_lr()):.2e}{extra} pairs/s {pairs / seconds:.1f} "
-                      f"eta {data.format_eta((total - state['step']) * seconds / steps)}", flush=True)
-                since, pairs, steps = time.time(), 0, 0
-            if state["step"] % cfg.save_every == 0 and state["step"] % steps_per_epoch != 0:  # epoch ends save later
-                checkpoint()
-        end_of_epoch(epoch + 1)
+    with locked(out) if rank() == 0 else nullcontext():
+        if rank() == 0:
+            for leftover in [*out.glob("*.tmp"), *(out / name for name in RUN_FILES if cfg.overwrite)]:
+                leftover.unlink(missing_ok=True)  # a killed write's, or the run --overwrite replaces
+        barrier()
+        if cfg.resume:
+            state = resume(out / "last.pt", run)
+        while state["step"] < total and not state["stopped"]:
+            epoch, done = divmod(state["step"], steps_per_epoch)
+            sampler.set_epoch(epoch, skip=done * cfg.batch_size)
+            model.train()
+            since, pairs, steps = time.time(), 0, 0  # the speed of the steps since the last progress line
+            for batch in itertools.islice(loader, min(steps_per_epoch - done, total - state["step"])):
+                batch = [t.to(device, non_blocking=True) for t in batch]
+                pairs += batch[1].shape[:-3].numel() * world()  # after images [B, (k,) 3, H, W], all processes
+                loss = train_step(batch)
+                state["step"], steps = state["step"] + 1, steps + 1
+                if state["step"] % cfg.log_every == 0 or state["step"] == total:  # the only host syncs: printed values
+                    extra = "".join(f" {k} {v}" for k, v in (log_extra() if log_extra else {}).items())
+                    value = loss.item()  # waits for the GPU: the steps since the last line are done
+                    seconds = time.time() - since
+                    print(f"epoch {epoch + 1}/{cfg.epochs} step {state['step']}/{total} loss {value:.4f} "
+                          f"lr {max(schedule.get_last_lr()):.2e}{extra} pairs/s {pairs / seconds:.1f} "
+                          f"eta {data.format_eta((total - state['step']) * seconds / steps)}", flush=True)
+                    since, pairs, steps = time.time(), 0, 0
+                if state["step"] % cfg.save_every == 0 and state["step"] % steps_per_epoch != 0:  # epoch ends save later
+                    checkpoint()
+            end_of_epoch(epoch + 1)
     return state

@@ -8,6 +8,7 @@ from PIL import Image
 import clip_weights
 import data
 import evaluate
+import train
 from evaluate import ids_to_text
 from model import Captioner, CaptionerConfig
 from tiny import tiny_pair_encoder
@@ -109,27 +110,31 @@ def test_uniform_attention_gives_flat_maps():
     torch.testing.assert_close(maps["inter"], torch.full((2, 4, 4), 1 / 34))  # 2(n + 1) tokens per pair
 
 
+def cli_error(capsys, *argv):
+    """The one-line error that `python evaluate.py ARGV` ends with (exit status 2, no traceback)."""
+    with pytest.raises(SystemExit) as exit:
+        train.main(evaluate.main, [str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("missing", ["ckpt", "image"])
 def test_missing_files_are_named(tmp_path, capsys, missing):
     save_checkpoint(tiny_captioner(), tmp_path / "best.pt")
     before, after = write_pair(tmp_path)
     ckpt = tmp_path / ("nope.pt" if missing == "ckpt" else "best.pt")
     after = tmp_path / "nope.png" if missing == "image" else after
-    with pytest.raises(SystemExit):
-        evaluate.main(["--ckpt", str(ckpt), "--pair", str(before), str(after)])
-    assert f"no {'checkpoint' if missing == 'ckpt' else 'image'} at {tmp_path / 'nope'}" in capsys.readouterr().err
+    assert str(tmp_path / "nope") in cli_error(capsys, "--ckpt", ckpt, "--pair", before, after)
 
 
 def test_unreadable_image_is_named(tmp_path, capsys):
     save_checkpoint(tiny_captioner(), tmp_path / "best.pt")
     before, _ = write_pair(tmp_path)
     (tmp_path / "notes.png").write_text("not an image")
-    with pytest.raises(SystemExit):
-        evaluate.main(["--ckpt", str(tmp_path / "best.pt"), "--pair", str(before), str(tmp_path / "notes.png")])
-    assert f"{tmp_path / 'notes.png'}: cannot read image" in capsys.readouterr().err
+    error = cli_error(capsys, "--ckpt", tmp_path / "best.pt", "--pair", before, tmp_path / "notes.png")
+    assert f"{tmp_path / 'notes.png'}: cannot read image" in error
 
 
 def test_pair_needs_a_checkpoint(capsys):
-    with pytest.raises(SystemExit):
-        evaluate.main(["--pair", "a.png", "b.png"])
-    assert "give --ckpt and --pair" in capsys.readouterr().err
+    assert "--ckpt with one of --pair, --pairs, --data_root" in cli_error(capsys, "--pair", "a.png", "b.png")

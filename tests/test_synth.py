@@ -46,14 +46,14 @@ def test_layout_and_schemas_are_clevr_changes(dataset):
 
 def test_same_seed_same_bytes_other_seed_other_scenes(tmp_path):
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
-        synth.write_synth(tmp_path / name, 5, seed)
+        synth.write_synth(tmp_path / name, 10, seed)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
-    assert len(files) == 5 * 3 + 5
+    assert len(files) == 10 * 3 + 5
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
     assert (tmp_path / "a" / "scenes.json").read_text() != (tmp_path / "c" / "scenes.json").read_text()
     with pytest.raises(FileExistsError, match="exists"):
-        synth.write_synth(tmp_path / "a", 5, 5)
+        synth.write_synth(tmp_path / "a", 10, 5)
 
 
 def the_change(kind, before, after):

@@ -130,9 +130,3 @@ def test_resuming_an_early_stopped_run_trains_no_further(tmp_path):
     state = fit(resumed, model, ToyPairs(), lambda: pytest.fail("validated after an early stop"),
                 model.new_parameter_names(), "cosine", patience=2)
     assert state["stopped"] and state["step"] == 3 * 6
-
-
-def test_resume_refuses_other_settings(tmp_path):
-    run(config(tmp_path, epochs=1), tiny_pair_encoder)
-    with pytest.raises(ValueError, match="batch_size"):
-        run(config(tmp_path, epochs=1, batch_size=2, resume=True), tiny_pair_encoder)

@@ -1,0 +1,284 @@
+"""Bad or unusual input, as a new user or an adversarial tester would give it: each is refused with
+one line naming the flag, file or id and what was expected (exit status 2, no traceback), and
+nothing on disk changes; or it is handled as the user meant it."""
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import adapt
+import caption
+import clip_weights
+import data
+import evaluate
+import synth
+import train
+from data import InputError
+
+SMALL = ["--data", "synth", "--epochs", "1", "--max_steps", "2", "--batch_size", "16", "--workers", "0"]
+
+
+def error_of(capsys, run, *argv):
+    """The last stderr line of the command line `run` given argv, which must end in a refusal."""
+    with pytest.raises(SystemExit) as exit:
+        train.main(run, [str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def snapshot(folder):
+    """Every file below `folder` with its bytes: what "nothing on disk changes" compares."""
+    return {p: p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad") / "synth"
+    synth.write_synth(root, 30, seed=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def stage_1(root, tmp_path_factory):
+    """A finished small stage-1 run."""
+    out = tmp_path_factory.mktemp("runs") / "adapt"
+    train.main(adapt.main, SMALL + ["--data_root", str(root), "--out_dir", str(out)])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# runs: an earlier run, a concurrent run, a killed write
+# ---------------------------------------------------------------------------------------------
+def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(root, tmp_path, capsys):
+    out = tmp_path / "run"
+    flags = SMALL + ["--data_root", root, "--out_dir", out]
+    train.main(adapt.main, [str(f) for f in flags])
+    before = snapshot(out)
+    assert sorted(p.name for p in before) == ["best.pt", "last.pt", "metrics.json"]
+    error = error_of(capsys, adapt.main, *flags)
+    assert error.endswith(f"{out} holds an earlier run (last.pt, best.pt, metrics.json): pass --resume to continue "
+                          "it, --overwrite to start it anew, or another --out_dir")
+    assert snapshot(out) == before
+    (out / "last.pt.tmp").write_bytes(b"half a checkpoint")  # a write killed in the earlier run
+    train.main(adapt.main, [str(f) for f in flags + ["--overwrite", "--seed", "7"]])
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "last.pt", "metrics.json"]  # no stray .tmp
+    assert torch.load(out / "last.pt", weights_only=True)["config"]["seed"] == 7
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused(root, tmp_path, capsys):
+    import fcntl
+
+    out = tmp_path / "busy"
+    out.mkdir()
+    with open(out / ".lock", "w") as lock:  # as the first run holds it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out)
+    assert error.endswith(f"{out} is in use by another run; wait for it, or give another --out_dir")
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+# ---------------------------------------------------------------------------------------------
+# flags: choices and ranges, checked before anything is built, downloaded or written
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, message", [
+    (["--init", "OpenAI"], "argument --init: invalid choice: 'OpenAI'"),
+    (["--preset", "tiny"], "argument --preset: invalid choice: 'tiny'"),
+    (["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
+    (["--data", "foo"], "argument --data: invalid choice: 'foo'"),
+    (["--lr=-1e-3"], "--lr -0.001: expected a value >= 0"),
+    (["--lr_clip=-1"], "--lr_clip -1.0: expected a value >= 0"),
+    (["--grad_clip=-1"], "--grad_clip -1.0: expected a value >= 0"),
+    (["--batch_size", "0"], "--batch_size 0: expected a value >= 1"),
+    (["--save_every", "0"], "--save_every 0: expected a value >= 1"),
+    (["--log_every", "0"], "--log_every 0: expected a value >= 1"),
+    (["--epochs", "0"], "--epochs 0: expected a value >= 1"),
+    (["--warmup", "1.5"], "--warmup 1.5: expected a value in [0, 1]"),
+    (["--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
+    (["--data", "clevr"], "data/clevr: no such folder (--data_root); expected CLEVR-Change's layout"),
+    (["--data", "clevr", "--data_root", "nowhere"], "nowhere: no such folder (--data_root); expected CLEVR-Change's"),
+    (["--resume", "--overwrite"], "--resume continues the run in --out_dir and --overwrite starts it anew: give one"),
+])
+def test_flags_are_checked_before_anything_is_built(tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.chdir(tmp_path)  # data/ and out/ are relative to here
+    monkeypatch.setattr(clip_weights, "load", lambda *a, **k: pytest.fail("downloaded or loaded CLIP"))
+    assert message in error_of(capsys, adapt.main, *flags)
+    assert list(tmp_path.iterdir()) == []  # no data generated, no run folder
+
+
+def test_help_describes_every_flag_and_what_synth_changes(capsys):
+    for run, config, synth_defaults in ((adapt.main, adapt.AdaptConfig, adapt.SYNTH_DEFAULTS),
+                                        (caption.main, caption.CaptionConfig, caption.SYNTH_DEFAULTS)):
+        with pytest.raises(SystemExit):
+            run(["--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        descriptions = train.field_help(config)
+        for name, default in vars(config()).items():
+            assert descriptions.get(name), f"--{name} has no description"
+            assert descriptions[name] + ("" if default == "" else f" (default: {default})") in text, name
+        assert "--amp {auto,bf16,fp16,off}" in text and "--data {synth,clevr,spot,ier}" in text
+        assert "--data synth (the offline default) sets: " + ", ".join(f"--{k} {v}" for k, v in synth_defaults.items()) in text
+
+
+# ---------------------------------------------------------------------------------------------
+# resume: any change that shapes the model, the optimiser or the data order is refused
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, changed", [
+    (["--n_intra", "2", "--n_inter", "2"], "'n_intra': (3, 2)"),
+    (["--weight_decay", "0.1"], "'weight_decay': (0.05, 0.1)"),
+    (["--batch_size", "8"], "'batch_size': (16, 8)"),
+    (["--amp", "bf16"], "'amp': ('auto', 'bf16')"),
+    (["--max_steps", "3"], "'max_steps': (2, 3)"),
+])
+def test_resume_refuses_changed_settings(root, stage_1, capsys, flags, changed):
+    before = snapshot(stage_1)
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", stage_1, "--resume", *flags)
+    assert f"--resume: {stage_1 / 'last.pt'} was trained with other settings, (saved, now): " in error
+    assert changed in error
+    assert snapshot(stage_1) == before
+
+
+def test_resume_without_a_run_says_so(root, tmp_path, capsys):
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "new", "--resume")
+    assert error.endswith(f"--resume: there is no {tmp_path / 'new' / 'last.pt'} to resume from")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_resumed_run_keeps_every_figure(root, tmp_path):
+    out = tmp_path / "resumed"
+    flags = [str(f) for f in SMALL + ["--data_root", root, "--out_dir", out]]
+    train.main(adapt.main, flags)
+    step0 = json.loads((out / "metrics.json").read_text())["test_step0"]
+    (out / "metrics.json").unlink()
+    train.main(adapt.main, flags + ["--resume", "--log_every", "5", "--workers", "1"])  # logging, loading may change
+    assert json.loads((out / "metrics.json").read_text())["test_step0"] == step0
+
+
+# ---------------------------------------------------------------------------------------------
+# readers: types, unique ids, captions with no words
+# ---------------------------------------------------------------------------------------------
+def write_split(root, dataset, entries, split="test"):
+    folder = root / ("annotations" if dataset == "spot" else "dataset/adobe")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{'valid' if split == 'val' else split}.json").write_text(json.dumps(entries))
+    (root / ("resized_images" if dataset == "spot" else "images")).mkdir(exist_ok=True)
+    for name in ("1.png", "1_2.png", "2.png", "2_2.png", "a.png", "b.png"):
+        Image.new("RGB", (8, 8)).save(root / ("resized_images" if dataset == "spot" else "images") / name)
+    return folder / f"{split}.json"
+
+
+@pytest.mark.parametrize("dataset, entries, message", [
+    ("spot", [{"img_id": 1, "sentences": ["a car left"]}, {"img_id": 2, "sentences": "the ball is gone"}],
+     r"test.json: entry 1: expected a non-empty list of caption strings, got \"the ball is gone\""),
+    ("spot", [{"img_id": 1, "sentences": []}], r"test.json: entry 0: expected a non-empty list of caption strings"),
+    ("ier", [{"img0": "a.png", "img1": "b.png", "sents": "make it brighter", "uid": "u1"}],
+     r"test.json: entry 0 \(uid 'u1'\): expected a non-empty list of caption strings"),
+    ("ier", [{"img0": "a.png", "img1": "b.png", "sents": ["brighter"], "uid": "u1"},
+             {"img0": "b.png", "img1": "a.png", "sents": ["darker"], "uid": "u1"}],
+     r"test: ids \['u1'\] name more than one pair; each pair needs its own id"),
+    ("ier", [{"img0": "a.png", "img1": "b.png", "sents": ["brighter", 7], "uid": "u1"}],
+     r"entry 0 \(uid 'u1'\): expected a non-empty list of caption strings, got \[\"brighter\", 7\]"),
+])
+def test_readers_check_types_and_ids(tmp_path, dataset, entries, message):
+    write_split(tmp_path, dataset, entries)
+    with pytest.raises(InputError, match=message):
+        data.read_split(dataset, tmp_path, "test")
+
+
+def test_captions_without_words_are_reported_and_left_out(tmp_path, caplog):
+    write_split(tmp_path, "spot", [{"img_id": 1, "sentences": ["a car left", "", " ... "]},
+                                   {"img_id": 2, "sentences": ["?!"]}])
+    with caplog.at_level(logging.WARNING):
+        pairs = data.read_split("spot", tmp_path, "test")
+    assert [(p.id, p.captions) for p in pairs] == [("1.png", ["a car left"])]
+    assert "2 pairs have empty or punctuation-only captions, left out (first: 1.png, 2.png)" in caplog.text
+    assert "1 pairs are left without any caption" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# images in other modes
+# ---------------------------------------------------------------------------------------------
+def test_sixteen_bit_and_float_images_keep_their_values(tmp_path):
+    grey16 = Image.fromarray(np.full((6, 6), 32896, dtype=np.uint16))  # 128 * 257
+    grey16.save(tmp_path / "grey16.png")
+    assert Image.open(tmp_path / "grey16.png").mode.startswith("I")
+    Image.fromarray(np.full((6, 6), 0.5, dtype=np.float32)).save(tmp_path / "half.tif")
+    Image.fromarray(np.full((6, 6), 200.0, dtype=np.float32)).save(tmp_path / "wide.tif")
+    for name, value in (("grey16.png", 128), ("half.tif", 128), ("wide.tif", 200)):
+        pixels = data.read_pixels(tmp_path / name, 4)
+        assert pixels.shape == (3, 4, 4) and (pixels.int() - value).abs().max() <= 1, name
+
+
+def test_a_decompression_bomb_is_an_unreadable_image(tmp_path, monkeypatch):
+    Image.new("RGB", (64, 64)).save(tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 64 * 64 // 4)  # twice that and more: Pillow refuses
+    with pytest.raises(InputError, match=f"{tmp_path / 'big.png'}: cannot read image"):
+        data.read_pixels(tmp_path / "big.png", 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints and prediction files
+# ---------------------------------------------------------------------------------------------
+def test_checkpoints_that_are_not_ours_are_named(root, stage_1, tmp_path, capsys):
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes((stage_1 / "best.pt").read_bytes()[:1000])
+    assert f"{truncated}: cannot read it as a checkpoint" in error_of(
+        capsys, evaluate.main, "--ckpt", truncated, "--pair", truncated, truncated)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
+    assert f"{foreign}: not a checkpoint of adapt.py or caption.py" in error_of(
+        capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from", foreign)
+    assert "holds a stage-1 pair encoder: captions need a caption.py checkpoint" in error_of(
+        capsys, evaluate.main, "--ckpt", stage_1 / "last.pt", "--pairs", foreign)  # last.pt loads like best.pt
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"[{'image_id': 1}", "not a JSON file"),
+    (b'{"image_id": "x", "caption": "y"}', 'expected a list of {"image_id", "caption"} objects, not a dict'),
+    (b'[{"image_id": "000000.png", "caption": "y"}, {"image_id": "x"}]', 'entry 1 is not an object with an image_id '
+                                                                         'and a caption string: {"image_id": "x"}'),
+    (b'[{"image_id": "x", "caption": 3}]', "entry 0 is not an object with an image_id and a caption string"),
+])
+def test_prediction_files_are_checked(root, tmp_path, capsys, content, message):
+    (tmp_path / "preds.json").write_bytes(content)
+    error = error_of(capsys, evaluate.main, "--predictions", tmp_path / "preds.json", "--data", "synth",
+                     "--data_root", root)
+    assert f"{tmp_path / 'preds.json'}: {message}" in error
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path):
+    preds = {"000001.png": "the cube moved"}
+    evaluate.write_predictions(tmp_path / "p.json", preds)
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "p.json").read_bytes())
+    assert evaluate.read_predictions(tmp_path / "bom.json") == preds
+
+
+def test_command_line_combinations_are_checked(root, stage_1, tmp_path, capsys):
+    image = root / "images" / "CLEVR_default_000000.png"
+    preds = tmp_path / "p.json"
+    evaluate.write_predictions(preds, {"x": "y"})
+    assert "expected an image file name, such as attention.png" in error_of(
+        capsys, evaluate.main, "--ckpt", stage_1 / "best.pt", "--pair", image, image, "--attention", tmp_path / "fig")
+    assert "give --predictions with --data_root, or --ckpt with one of" in error_of(
+        capsys, evaluate.main, "--predictions", preds, "--ckpt", stage_1 / "best.pt", "--pair", image, image)
+    assert f"{tmp_path} is a folder: --out names the file to write" in error_of(
+        capsys, evaluate.main, "--predictions", preds, "--data", "synth", "--data_root", root, "--out", tmp_path)
+    assert "--pairs 5: expected at least 10, for non-empty val and test splits" in error_of(
+        capsys, lambda argv: synth.write_synth(tmp_path / "s", 5, 0))
+    assert not (tmp_path / "s").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+    with pytest.raises(TypeError, match="tokenize takes a string or a list of strings, not None"):
+        data.tokenize(None)
+
+
+def test_a_list_of_pairs_names_its_bad_line(tmp_path):
+    (tmp_path / "pairs.txt").write_text("a.png b.png\nonly_one.png\n")
+    with pytest.raises(InputError, match=r"pairs.txt: line 2: expected two image paths \(before, after\), found 1"):
+        evaluate.read_pair_list(tmp_path / "pairs.txt")
+    (tmp_path / "pairs.txt").write_text("a.png\tb c.png\n")  # a tab: paths may hold spaces
+    with pytest.raises(InputError, match=r"pairs.txt: 2 images not found, e.g. .*a.png"):
+        evaluate.read_pair_list(tmp_path / "pairs.txt")
