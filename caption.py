@@ -110,6 +110,8 @@ def main(argv=None):
     preds, results = evaluate.score_captions(captioner, test_items, splits["train"], "test", device, store, cfg.amp,
                                              cfg.workers)
     evaluate.save_results(cfg.out_dir, results, "test", preds)
+    print(f"wrote {evaluate.save_examples(Path(cfg.out_dir) / 'examples.png', test_items, preds)}: test pairs and "
+          "their captions, the model's over a reference")
 
 
 if __name__ == "__main__":

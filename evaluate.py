@@ -18,6 +18,7 @@ import argparse
 import json
 import shutil
 import sys
+import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -251,7 +252,7 @@ def format_table(metrics):
 
 
 # ---------------------------------------------------------------------------------------------
-# One's own image pair: its caption and the vision encoder's attention (Figure 3)
+# Figures: the vision encoder's attention over one's own pair (Figure 3), examples of captions
 # ---------------------------------------------------------------------------------------------
 TILE, GAP, MARGIN, HEADER = 224, 4, 64, 24  # figure layout in pixels: image tiles, gaps, label space
 HEAT = np.array([[0, 0, 130], [0, 150, 255], [255, 230, 0], [220, 0, 0]], dtype=float)  # heatmap colours, low -> high
@@ -315,6 +316,46 @@ def attention_figure(images, maps):
                 image = Image.blend(image, heatmap(maps[name][c] / maps[name].max(), TILE), 0.5)
             figure.paste(image, (MARGIN + c * step, y))
     return figure
+
+
+EXAMPLE = (240, 160, 6, 13, 5)  # examples.png: image box width and height, gap, font size, text lines a pair
+
+
+def example_items(items, n=6):
+    """A fixed handful of evaluation items: on CLEVR-Change the first of each change type (Table 2's
+    order), a distractor among them; elsewhere the first n."""
+    firsts = [next((i for i in items if PAPER_TYPE_NAME.get(i.change_type, i.change_type) == t), None)
+              for t in CHANGE_TYPES]
+    return [i for i in firsts if i] or items[:n]
+
+
+def examples_figure(items, preds):
+    """For each item, before and after side by side (at their own aspect), and under them the
+    generated caption and the first reference, in a grid of two columns."""
+    width, height, gap, font_size, lines = EXAMPLE
+    cell_w, cell_h = 2 * width + gap, height + gap + lines * (font_size + 3)
+    rows = (len(items) + 1) // 2
+    figure = Image.new("RGB", (2 * cell_w + 3 * gap * 4, rows * (cell_h + 4 * gap) + 2 * gap), "white")
+    draw, font = ImageDraw.Draw(figure), ImageFont.load_default(size=font_size)
+    for n, item in enumerate(items):
+        x, y = 4 * gap + (n % 2) * (cell_w + 4 * gap), 2 * gap + (n // 2) * (cell_h + 4 * gap)
+        for k, path in enumerate((item.before, item.after)):
+            with Image.open(path) as image:
+                image = data.to_rgb(image)
+            image.thumbnail((width, height))
+            figure.paste(image, (x + k * (width + gap) + (width - image.width) // 2, y + (height - image.height) // 2))
+        kind = PAPER_TYPE_NAME.get(item.change_type, item.change_type)
+        text = [(f"{kind + ': ' if kind else ''}model: {preds[item.id]}", "navy"), (f"reference: {item.captions[0]}", "dimgray")]
+        wrapped = [(line, color) for caption, color in text for line in textwrap.wrap(caption, 2 * width // (font_size * 0.55))]
+        for k, (line, color) in enumerate(wrapped[:lines]):
+            draw.text((x, y + height + gap + k * (font_size + 3)), line, fill=color, font=font)
+    return figure
+
+
+def save_examples(out, items, preds):
+    """examples.png (see examples_figure) at `out`; returns its path."""
+    examples_figure(example_items(items), preds).save(out)
+    return out
 
 
 def save_attention(captioner, before, after, paths, out):

@@ -1,8 +1,11 @@
 """Both stages end to end on a small synthetic CLEVR-Change: the flags, files and metrics users see."""
 import json
 
+from PIL import Image
+
 import adapt
 import caption
+import data
 import evaluate
 import synth
 
@@ -26,6 +29,17 @@ def test_adapt_then_caption_then_evaluate(tmp_path, capsys):
     assert set(metrics["test"]) == {"BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "per_type"}
     assert set(metrics["test"]["per_type"]) <= {"color", "texture", "move", "add", "drop", "distractor"}
     assert "distractor" in metrics["test"]["per_type"]
+    figure_path = tmp_path / "caption" / "examples.png"
+    assert f"wrote {figure_path}" in capsys.readouterr().out
+    with Image.open(figure_path) as figure:
+        figure.verify()  # a whole PNG
+    shown = evaluate.example_items(data.eval_items(data.read_split("synth", root, "test")))
+    assert {i.change_type for i in shown} == {"color", "material", "move", "add", "drop", "distractor"} & {
+        i.change_type for i in data.eval_items(data.read_split("synth", root, "test"))}
+    width, height, gap, font_size, lines = evaluate.EXAMPLE
+    rows = (len(shown) + 1) // 2
+    assert figure.size == (2 * (2 * width + gap) + 12 * gap, rows * (height + gap + lines * (font_size + 3) + 4 * gap)
+                           + 2 * gap)
     predictions = json.loads((tmp_path / "caption" / "test_predictions.json").read_text())
     assert len(predictions) == 12 and {"image_id", "caption"} == set(predictions[0])  # 6 change + 6 distractor pairs
     assert {p["image_id"] for p in predictions if p["image_id"].endswith("_n")}
