@@ -127,7 +127,7 @@ def check_run_folder(cfg):
     if cfg.resume and not (out / "last.pt").is_file():
         raise InputError(f"--resume: there is no {out / 'last.pt'} to resume from")
     if cfg.resume:
-        saved = torch.load(out / "last.pt", map_location="cpu", weights_only=True)["config"]
+        saved = torch.load(out / "last.pt", map_location="cpu", weights_only=True, mmap=True)["config"]  # no tensor read
         changed = {k: (saved.get(k), v) for k, v in asdict(cfg).items() if k not in RESUME_FREE and saved.get(k) != v}
         if changed:
             raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
