@@ -30,10 +30,10 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     data: Literal["synth", "clevr", "spot", "ier"] = "synth"  # dataset: synth is the offline CLEVR-Change look-alike
     data_root: str = ""  # dataset folder (default: data/<data>)
     out_dir: str = ""  # run folder for checkpoints, metrics and predictions (default: out/caption-<data>)
-    init_from: str = ""  # the pair encoder: a stage-1 checkpoint (default: out/adapt-<data>/best.pt), or openai
+    init_from: str = ""  # the pair encoder: a stage-1 checkpoint, ours or the authors' (default: out/adapt-<data>/best.pt), or openai
     clip: str = "ViT-B/32"  # with --init_from openai: OpenAI's model name or a checkpoint path
-    n_intra: int = 9  # with --init_from openai: layers that see one image
-    n_inter: int = 3  # with --init_from openai: layers that see the pair
+    n_intra: int = 9  # with --init_from openai or an authors' file: layers that see one image
+    n_inter: int = 3  # with --init_from openai or an authors' file: layers that see the pair
     layers: int = 3  # captioning encoder layers, and as many decoder layers
     heads: int = 8  # attention heads of the captioner
     ffn: int = 2048  # hidden units of the captioner's feed-forward layers
@@ -76,9 +76,10 @@ def build_captioner(cfg, device):
         if not Path(path).exists():
             raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run `python adapt.py --data {cfg.data}` "
                                     "first, or pass --init_from PATH (or --init_from openai to skip adaptation)")
-        encoder = clip_weights.load_checkpoint(path)
+        encoder = clip_weights.load_checkpoint(path, n_intra=cfg.n_intra)
         if not isinstance(encoder, CLIP4IDC):
-            raise InputError(f"{path} holds a captioner: --init_from takes the best.pt of an adapt.py run")
+            raise InputError(f"{path} holds a captioner: --init_from takes a stage-1 checkpoint (adapt.py's best.pt, "
+                             "or the authors' pretrained pytorch_model.bin)")
     return Captioner(encoder, captioner_config(cfg)).to(device)
 
 

@@ -3,9 +3,11 @@
     model = clip_weights.load("ViT-B/32")          # downloads once into ~/.cache/clip
     model = clip_weights.load("path/to/ViT-B-32.pt")  # OpenAI's TorchScript archive, or a state dict
     model = clip_weights.load_checkpoint("out/caption-clevr/best.pt")  # a run of adapt.py or caption.py
+    model = clip_weights.load_checkpoint("pytorch_model.bin.clevr")   # the authors' released stage 1 or 2
 
 Our CLIP parameter names are OpenAI's, so that key mapping is the identity; the architecture is
-read off the tensor shapes, which is why ViT-B/16 and ViT-L/14 load as well.
+read off the tensor shapes, which is why ViT-B/16 and ViT-L/14 load as well. The authors' names
+for the pair encoder and the captioner are mapped to ours key by key (`authors_names`).
 """
 import hashlib
 import os
@@ -62,13 +64,21 @@ def model_from_config(config):
     return Captioner(encoder, CaptionerConfig(**config["captioner"])) if "captioner" in config else encoder
 
 
-def load_checkpoint(path, device="cpu"):
-    """The model of a run's best.pt or last.pt, in eval mode: a CLIP4IDC pair encoder (stage 1) or a Captioner."""
+def load_checkpoint(path, device="cpu", n_intra=9, heads=8):
+    """The model of a checkpoint, in eval mode: a CLIP4IDC pair encoder (stage 1) or a Captioner
+    (stage 2), from a best.pt or last.pt of ours or a file of the authors' code, told apart by content.
+
+    The authors' files do not record the layer split of the pair encoder or the captioner's number
+    of heads: `n_intra` and `heads` give them (their released models: 9 + 3 layers, 8 heads)."""
     ckpt = read_checkpoint(path)
-    if not (isinstance(ckpt, dict) and {"model", "model_config"} <= ckpt.keys()):
-        raise InputError(f"{path}: not a checkpoint of adapt.py or caption.py (a best.pt or last.pt)")
-    model = model_from_config(ckpt["model_config"])
-    model.load_state_dict(ckpt["model"])
+    if isinstance(ckpt, dict) and {"model", "model_config"} <= ckpt.keys():
+        model = model_from_config(ckpt["model_config"])
+        model.load_state_dict(ckpt["model"])
+    elif isinstance(ckpt, dict) and any(k.removeprefix("module.").startswith("clip.visual.") for k in ckpt):
+        model = from_authors(ckpt, n_intra, heads, path)
+    else:
+        raise InputError(f"{path}: expected a best.pt or last.pt of adapt.py or caption.py, or a "
+                         "pytorch_model.bin of the authors' CLIP4IDC code")
     return model.to(device).eval()
 
 
@@ -80,6 +90,87 @@ def read_checkpoint(path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, not torch's format, or pickled objects: all a bad file, not a bug
         raise InputError(f"{path}: cannot read it as a checkpoint ({str(e).splitlines()[0]})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# the authors' checkpoints (github.com/sushizixin/CLIP4IDC): pytorch_model.bin.clevr, .spot
+# ---------------------------------------------------------------------------------------------
+AUTHORS_PAIR = {"e1": "visual.bef_embedding", "e2": "visual.aft_embedding", "pair_pos": "visual.joint_positional_embedding",
+                "ln_inter.weight": "visual.ln_mid.weight", "ln_inter.bias": "visual.ln_mid.bias"}
+# Their captioner's word embeddings, position embeddings and output layer are CLIP's own tensors,
+# saved under a second name each: equal by construction, held once here.
+AUTHORS_ALIASES = {"decoder.embeddings.word_embeddings.weight": "clip.token_embedding.weight",
+                   "decoder.embeddings.position_embeddings.weight": "clip.positional_embedding",
+                   "decoder.classifier.cls.predictions.decoder.weight": "clip.token_embedding.weight"}
+AUTHORS_HEAD = {"ln_embed": "embeddings.LayerNorm", "head.0": "classifier.cls.predictions.transform.dense",
+                "head.2": "classifier.cls.predictions.transform.LayerNorm"}
+AUTHORS_ENCODER_LAYER = {"attn": "slf_attn.att", "attn.out_proj": "slf_attn.output.dense", "ln_1": "slf_attn.output.LayerNorm",
+                         "mlp.0": "intermediate.dense", "mlp.2": "output.dense", "ln_2": "output.LayerNorm"}
+AUTHORS_DECODER_LAYER = {"self_attn": "slf_attn.att", "self_attn.out_proj": "slf_attn.output.dense",
+                         "ln_1": "slf_attn.output.LayerNorm", "cross_attn": "enc_attn.att",
+                         "cross_attn.out_proj": "enc_attn.output.dense", "ln_2": "enc_attn.output.LayerNorm",
+                         "mlp.0": "intermediate.dense", "mlp.2": "output.dense", "ln_3": "output.LayerNorm"}
+
+
+def authors_names(model):
+    """Our state-dict key -> the authors' key, for every key of `model` (a CLIP4IDC or a Captioner).
+    A tuple names their query, key and value projections, which are the thirds of our in-projection."""
+    stage2 = isinstance(model, Captioner)
+    names = {}
+    for ours in model.state_dict():
+        encoder_key = ours.removeprefix("encoder.") if stage2 else ours
+        if stage2 and not ours.startswith("encoder."):
+            names[ours] = authors_captioner_name(ours)
+        elif encoder_key in AUTHORS_PAIR:
+            names[ours] = "clip." + AUTHORS_PAIR[encoder_key]
+        else:
+            names[ours] = encoder_key  # CLIP itself: clip.<OpenAI's name> in both
+    return names
+
+
+def authors_captioner_name(ours):
+    if ours == "head_bias":
+        return "decoder.classifier.cls.predictions.bias"
+    module, param = ours.rsplit(".", 1)
+    if module in AUTHORS_HEAD:
+        return f"decoder.{AUTHORS_HEAD[module]}.{param}"
+    stack, i, part = module.split(".", 2)  # enc_layers.0.attn -> enc_layers, 0, attn
+    theirs = f"decoder.{'encoder' if stack == 'enc_layers' else 'decoder'}.layer.{i}."
+    theirs += (AUTHORS_ENCODER_LAYER if stack == "enc_layers" else AUTHORS_DECODER_LAYER)[part]
+    if param.startswith("in_proj_"):
+        return tuple(f"{theirs}.{x}.{param.removeprefix('in_proj_')}" for x in ("query", "key", "value"))
+    return f"{theirs}.{param}"
+
+
+def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
+    """Our CLIP4IDC (their stage 1, "pretrained") or Captioner (their stage 2, "trained") holding the
+    weights of a state dict saved by the authors' code, fp16 or fp32, with or without DDP's `module.`.
+    Strict: a missing or unknown key, a mis-shaped tensor or a tied alias that differs is an error."""
+    sd = {k.removeprefix("module."): v for k, v in sd.items()}
+    clip_sd = {k.removeprefix("clip."): v for k, v in sd.items()
+               if k.startswith("clip.") and k.removeprefix("clip.") not in AUTHORS_PAIR.values()}
+    clip_config = config_from_state_dict(clip_sd)
+    if not 0 <= n_intra <= clip_config.vision_layers:
+        raise InputError(f"--n_intra {n_intra}: {name} has {clip_config.vision_layers} vision layers")
+    model = CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=n_intra))
+    if any(k.startswith("decoder.") for k in sd):
+        ffn = sd.get("decoder.encoder.layer.0.intermediate.dense.bias")  # when absent, reported below
+        model = Captioner(model, CaptionerConfig(layers=count_blocks(sd, "decoder.encoder.layer."), heads=heads,
+                                                 ffn=CaptionerConfig.ffn if ffn is None else len(ffn)))
+    for alias, target in AUTHORS_ALIASES.items():
+        if isinstance(model, Captioner) and alias in sd and target in sd and not torch.equal(sd[alias], sd[target]):
+            raise InputError(f"{name}: {alias} differs from {target}; in the authors' model they are one tensor")
+    names = authors_names(model)
+    used = {k for v in names.values() for k in (v if isinstance(v, tuple) else (v,))}
+    aliases = set(AUTHORS_ALIASES) if isinstance(model, Captioner) else set()
+    missing = sorted((used | aliases) - sd.keys())
+    unknown = sorted(sd.keys() - used - aliases)
+    if missing or unknown:
+        raise InputError(f"{name}: not a CLIP4IDC state dict of the authors' code as expected "
+                         f"({'stage 2' if aliases else 'stage 1'}): missing keys {missing[:5]}, unknown keys {unknown[:5]}")
+    load_weights(model, {ours: torch.cat([sd[k] for k in theirs]) if isinstance(theirs, tuple) else sd[theirs]
+                         for ours, theirs in names.items()})
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +246,7 @@ def load_weights(model, sd):
     misshaped = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(ours[k].shape)}"
                  for k in ours.keys() & sd.keys() if sd[k].shape != ours[k].shape]
     if missing or unexpected or misshaped:
-        raise InputError(f"checkpoint does not match model.CLIP: missing keys: {missing}; unexpected keys: "
+        raise InputError(f"checkpoint does not match {type(model).__name__}: missing keys: {missing}; unexpected keys: "
                          f"{unexpected}; mis-shaped keys: {sorted(misshaped)}")
     with torch.no_grad():
         for k, v in sd.items():

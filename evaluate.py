@@ -423,7 +423,7 @@ def save_results(out, results, split=None, preds=None):
 
 def score_checkpoint(args, device):
     """A checkpoint over a split: a captioner's metrics (Tables 1-4), a pair encoder's retrieval (Table 7)."""
-    model = clip_weights.load_checkpoint(args.ckpt, device)
+    model = clip_weights.load_checkpoint(args.ckpt, device, args.n_intra, args.heads)
     pairs = data.read_split(args.data, args.data_root, args.split)
     if isinstance(model, Captioner):
         train_pairs = data.read_split(args.data, args.data_root, "train")
@@ -485,7 +485,8 @@ def caption_one_pair(captioner, args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--predictions", help='score this COCO results json: [{"image_id", "caption"}, ...]')
-    parser.add_argument("--ckpt", help="run this checkpoint: best.pt or last.pt of adapt.py or caption.py")
+    parser.add_argument("--ckpt", help="run this checkpoint: best.pt or last.pt of adapt.py or caption.py, "
+                        "or the authors' pytorch_model.bin.*")
     parser.add_argument("--data", default="clevr", choices=("clevr", "spot", "ier", "synth"), help="(default: clevr)")
     parser.add_argument("--data_root", help="dataset folder: score --predictions, or --ckpt over --split")
     parser.add_argument("--split", default="test", help="(default: test)")
@@ -495,6 +496,8 @@ def main(argv=None):
     parser.add_argument("--out", help="write here the metrics json (--predictions) or the captions (--pairs)")
     parser.add_argument("--out_dir", help="with --ckpt --data_root: write metrics.json and <split>_predictions.json here")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--n_intra", type=int, default=9, help="with an authors' --ckpt: layers that see one image (default: 9)")
+    parser.add_argument("--heads", type=int, default=8, help="with an authors' stage-2 --ckpt: the captioner's heads (default: 8)")
     args = parser.parse_args(argv)
 
     modes = [name for name in ("predictions", "pair", "pairs") if getattr(args, name)]
@@ -516,9 +519,10 @@ def main(argv=None):
     device = train.setup_device(args)
     if args.data_root:
         return score_checkpoint(args, device)
-    captioner = clip_weights.load_checkpoint(args.ckpt, device)
+    captioner = clip_weights.load_checkpoint(args.ckpt, device, args.n_intra, args.heads)
     if not isinstance(captioner, Captioner):
-        parser.error(f"{args.ckpt} holds a stage-1 pair encoder: captions need a caption.py checkpoint")
+        parser.error(f"{args.ckpt} holds a stage-1 pair encoder: captions need a stage-2 checkpoint "
+                     "(caption.py's best.pt, or the authors' trained pytorch_model.bin)")
     if args.pair:
         caption_one_pair(captioner, args)
     else:

@@ -323,6 +323,7 @@ class CaptionerConfig:  # Appendix B: 3 + 3 layers, 8 heads, hidden 512 (= CLIP'
     dropout: float = 0.1
     attn_dropout: float = 0.1  # on the attention weights
     max_len: int = 32
+    ln_eps: float = 1e-12  # the LayerNorms' epsilon, as in the authors' BERT-style layers (PyTorch's default: 1e-5)
 
 
 def feed_forward(width, ffn):
@@ -334,8 +335,8 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, width, c: CaptionerConfig):
         super().__init__()
-        self.attn, self.ln_1 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width)
-        self.mlp, self.ln_2 = feed_forward(width, c.ffn), nn.LayerNorm(width)
+        self.attn, self.ln_1 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width, c.ln_eps)
+        self.mlp, self.ln_2 = feed_forward(width, c.ffn), nn.LayerNorm(width, c.ln_eps)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
@@ -346,9 +347,9 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, width, c: CaptionerConfig):
         super().__init__()
-        self.self_attn, self.ln_1 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width)
-        self.cross_attn, self.ln_2 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width)
-        self.mlp, self.ln_3 = feed_forward(width, c.ffn), nn.LayerNorm(width)
+        self.self_attn, self.ln_1 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width, c.ln_eps)
+        self.cross_attn, self.ln_2 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width, c.ln_eps)
+        self.mlp, self.ln_3 = feed_forward(width, c.ffn), nn.LayerNorm(width, c.ln_eps)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, y, memory, cache=None):
@@ -374,11 +375,11 @@ class Captioner(nn.Module):
         for name, p in encoder.clip.named_parameters():
             if not name.startswith("visual.") and name not in ("token_embedding.weight", "positional_embedding"):
                 p.requires_grad_(False)  # the rest of CLIP's text tower plays no part in captioning
-        self.ln_embed, self.drop = nn.LayerNorm(width), nn.Dropout(c.dropout)
+        self.ln_embed, self.drop = nn.LayerNorm(width, c.ln_eps), nn.Dropout(c.dropout)
         self.enc_layers = nn.ModuleList([EncoderLayer(width, c) for _ in range(c.layers)])
         self.dec_layers = nn.ModuleList([DecoderLayer(width, c) for _ in range(c.layers)])
         # The prediction head of the authors' BERT-style decoder, before the tied word embeddings.
-        self.head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
+        self.head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width, c.ln_eps))
         self.head_bias = nn.Parameter(torch.zeros(clip_config.vocab_size))
         for layer in [*self.enc_layers, *self.dec_layers]:
             for attn in (m for m in layer.modules() if isinstance(m, Attention)):

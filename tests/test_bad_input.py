@@ -230,9 +230,9 @@ def test_checkpoints_that_are_not_ours_are_named(root, stage_1, tmp_path, capsys
         capsys, evaluate.main, "--ckpt", truncated, "--pair", truncated, truncated)
     foreign = tmp_path / "foreign.pt"
     torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
-    assert f"{foreign}: not a checkpoint of adapt.py or caption.py" in error_of(
+    assert f"{foreign}: expected a best.pt or last.pt of adapt.py or caption.py" in error_of(
         capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from", foreign)
-    assert "holds a stage-1 pair encoder: captions need a caption.py checkpoint" in error_of(
+    assert "holds a stage-1 pair encoder: captions need a stage-2 checkpoint" in error_of(
         capsys, evaluate.main, "--ckpt", stage_1 / "last.pt", "--pairs", foreign)  # last.pt loads like best.pt
     assert not (tmp_path / "c").exists()
 

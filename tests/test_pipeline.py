@@ -48,3 +48,11 @@ def test_adapt_then_caption_then_evaluate(tmp_path, capsys):
     evaluate.main(["--predictions", str(tmp_path / "caption" / "test_predictions.json"), "--data", "synth",
                    "--data_root", str(root), "--split", "test", "--out", str(scored)])
     assert json.loads(scored.read_text())["test"] == metrics["test"]  # the same protocol in both places
+
+    for stage, run in ((1, retrieval), (2, metrics)):  # a checkpoint scored on a split: what the run wrote
+        folder = tmp_path / f"scored{stage}"
+        best = tmp_path / ("adapt" if stage == 1 else "caption") / "best.pt"
+        evaluate.main(["--ckpt", str(best), "--data", "synth", "--data_root", str(root), "--split", "test",
+                       "--out_dir", str(folder), "--device", "cpu"])
+        assert json.loads((folder / "metrics.json").read_text())["test"] == run["test"]
+    assert json.loads((folder / "test_predictions.json").read_text()) == predictions
