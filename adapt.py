@@ -2,6 +2,7 @@
 
     python adapt.py --data synth                        # offline default: synthetic data, small model
     python adapt.py --data clevr --data_root PATH       # the paper: ViT-B/32 from OpenAI's weights, 9+3 layers
+    python adapt.py --data clevr --data_root PATH --recipe authors   # as the authors' code trains (README)
 
 Any field of AdaptConfig is a flag (--epochs 3, --n_intra 8 --n_inter 4, --compile, --amp bf16);
 several GPUs through torchrun (see train.py). The training loop is train.fit, shared with caption.py.
@@ -55,6 +56,7 @@ class AdaptConfig:  # defaults: Appendix B and the authors' code
     save_every: int = 500  # steps between resumable checkpoints (also at each epoch's end)
     resume: bool = False  # continue the run in --out_dir from its last.pt
     overwrite: bool = False  # replace the run in --out_dir with a new one
+    recipe: Literal["paper", "authors"] = "paper"  # paper: the paper and our choices; authors: as their code trains (README)
 
 
 # The offline default: what `--data synth` changes unless a flag says otherwise.
@@ -75,7 +77,10 @@ def build_model(cfg):
     if cfg.n_intra + cfg.n_inter != clip_config.vision_layers:
         raise InputError(f"--n_intra {cfg.n_intra} + --n_inter {cfg.n_inter} must equal the "
                          f"{clip_config.vision_layers} vision layers of the '{cfg.preset}' model")
-    return CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=cfg.n_intra), clip)
+    model = CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=cfg.n_intra, average_directions=cfg.recipe == "authors"), clip)
+    if cfg.recipe == "authors":
+        train.freeze_as_authors(model.clip)
+    return model
 
 
 def rsum(metrics):

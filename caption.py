@@ -3,6 +3,7 @@
     python caption.py                                    # offline default, after `python adapt.py --data synth`
     python caption.py --data clevr --data_root PATH      # the paper: from stage 1's best checkpoint
     python caption.py --data clevr --init_from openai    # no adaptation stage (Table 5)
+    python caption.py --data clevr --recipe authors      # as the authors' code trains (README)
 
 The pair encoder comes from stage 1 (--init_from, default out/adapt-<data>/best.pt); a Transformer
 encoder-decoder learns the captions with word-level cross-entropy. With --init_from openai the new
@@ -60,12 +61,16 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     save_every: int = 1000  # steps between resumable checkpoints (also at each epoch's end)
     resume: bool = False  # continue the run in --out_dir from its last.pt
     overwrite: bool = False  # replace the run in --out_dir with a new one
+    recipe: Literal["paper", "authors"] = "paper"  # paper: the paper and our choices; authors: as their code trains (README)
 
 
 # The offline default: a small captioner, and a pair encoder that was itself trained from scratch.
 # Attention dropout is off: on a CPU it forces the slow attention kernel, and a short run learns slower with it.
 SYNTH_DEFAULTS = dict(heads=4, ffn=512, attn_dropout=0.0, epochs=6, batch_size=32, lr=5e-4, lr_clip=1e-4, beta2=0.98,
                       patience=0, cache=True)
+# --recipe authors: their decoder runs 32 steps after SOT, their captions keep 31 words (SOT + 31 + EOT),
+# and they train every epoch, choosing the best afterwards.
+AUTHORS_DEFAULTS = dict(max_len=33, patience=0)
 
 
 def build_captioner(cfg, device):
@@ -80,7 +85,17 @@ def build_captioner(cfg, device):
         if not isinstance(encoder, CLIP4IDC):
             raise InputError(f"{path} holds a captioner: --init_from takes a stage-1 checkpoint (adapt.py's best.pt, "
                              "or the authors' pretrained pytorch_model.bin)")
-    return Captioner(encoder, captioner_config(cfg)).to(device)
+    captioner = Captioner(encoder, captioner_config(cfg)).to(device)
+    if cfg.recipe == "authors":  # on Spot-the-Diff their stage 2 trains the token embedding, at CLIP's rate
+        train.freeze_as_authors(encoder.clip, keep=("token_embedding.weight",) if cfg.data == "spot" else ())
+    return captioner
+
+
+def new_parameter_names(captioner, cfg):
+    """The captioner's own parameters, at --lr; under --recipe authors the word embeddings move (if
+    at all) at CLIP's rate, as in their code, where they are CLIP's tensors."""
+    names = captioner.new_parameter_names()
+    return names - {"encoder.clip.token_embedding.weight"} if cfg.recipe == "authors" else names
 
 
 def captioner_config(cfg):
@@ -89,12 +104,12 @@ def captioner_config(cfg):
 
 
 def main(argv=None):
-    cfg, device = train.start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv, __doc__)
+    cfg, device = train.start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv, __doc__, AUTHORS_DEFAULTS)
     captioner = build_captioner(cfg, device)
     print(f"captioner: {sum(p.numel() for p in captioner.parameters()) / 1e6:.2f}M parameters")
-    image_size, context = captioner.encoder.config.clip.image_size, captioner.encoder.config.context_length
+    image_size = captioner.encoder.config.clip.image_size
     splits, store = train.prepare_data(cfg, image_size)
-    train_set = data.CaptionDataset(splits["train"], image_size, context, cfg.seed, store)
+    train_set = data.CaptionDataset(splits["train"], image_size, cfg.max_len, cfg.seed, store)
     val_items, test_items = data.eval_items(splits["val"]), data.eval_items(splits["test"])
 
     def predict(items):
@@ -104,7 +119,7 @@ def main(argv=None):
         cider = evaluate.caption_metrics({i.id: i.captions for i in val_items}, predict(val_items), only=("CIDEr",))
         return cider["CIDEr"], cider
 
-    train.fit(cfg, captioner, train_set, validate, captioner.new_parameter_names(), "linear", patience=cfg.patience)
+    train.fit(cfg, captioner, train_set, validate, new_parameter_names(captioner, cfg), "linear", patience=cfg.patience)
     if train.rank() != 0:
         return
     captioner.load_state_dict(torch.load(Path(cfg.out_dir) / "best.pt", map_location=device, weights_only=True)["model"])

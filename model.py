@@ -211,6 +211,7 @@ class CLIP4IDCConfig:
     clip: CLIPConfig = field(default_factory=CLIPConfig)
     n_intra: int = 9  # N_intra: layers that see one image; the other N_inter see the pair (Table 7)
     context_length: int = 32  # caption length in tokens, SOT and EOT included (Appendix B)
+    average_directions: bool = False  # Eq. 8 sums IP-T and T-IP; the authors' code averages them
 
     @property
     def n_inter(self):
@@ -276,7 +277,8 @@ class CLIP4IDC(nn.Module):
         """The adaptation loss L of Eq. 8 for a batch of B aligned (pair, caption) samples."""
         v = self.pool(self.encode_pair(before, after))
         g = self.encode_text(tokens)
-        return contrastive_loss(v, g, self.clip.logit_scale)
+        loss = contrastive_loss(v, g, self.clip.logit_scale)
+        return loss / 2 if self.config.average_directions else loss
 
 
 def distributed():
@@ -368,8 +370,8 @@ class Captioner(nn.Module):
         if clip_config.text_width != clip_config.embed_dim:
             raise ValueError("the captioner reads projected visual tokens with CLIP's word embeddings: "
                              f"text_width ({clip_config.text_width}) must equal embed_dim ({clip_config.embed_dim})")
-        if c.max_len > encoder.config.context_length:
-            raise ValueError(f"max_len={c.max_len} exceeds the text positions ({encoder.config.context_length})")
+        if c.max_len - 1 > clip_config.context_length:  # the last token is only ever predicted
+            raise ValueError(f"max_len={c.max_len} exceeds CLIP's {clip_config.context_length} text positions + 1")
         width = clip_config.embed_dim
         self.encoder = encoder  # the (adapted) pair encoder; its text tower lends the word embeddings
         for name, p in encoder.clip.named_parameters():

@@ -51,6 +51,10 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
           "heads": (1, None), "ffn": (1, None), "max_len": (2, None)}
 # What a resumed run may change: nothing that shapes the model, the optimiser or the data order.
 RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root")
+# The CLIP parameters that the authors' scripts freeze in both stages (their --freeze_layer_num 0):
+# the image tower's patch, class and position embeddings and ln_pre, the text tower's embeddings.
+AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre.weight",
+                  "visual.ln_pre.bias", "positional_embedding", "token_embedding.weight")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,11 +76,14 @@ def field_help(config_cls):
     return dict(m.groups() for m in map(re.compile(r"\s+(\w+): .*?#\s*(.*)").match, lines) if m)
 
 
-def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None):
-    """Every dataclass field becomes a flag; `--data synth` first applies `synth_defaults`."""
-    changed = ", ".join(f"--{k} {v}" for k, v in synth_defaults.items())
+def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors_defaults=None):
+    """Every dataclass field becomes a flag; `--data synth` first applies `synth_defaults`, and
+    `--recipe authors` then `authors_defaults`: flags given on the command line win over both."""
+    authors_defaults = authors_defaults or {}
+    epilog = "--data synth (the offline default) sets: " + ", ".join(f"--{k} {v}" for k, v in synth_defaults.items())
+    epilog += "".join(f"; --recipe authors sets --{k} {v}" for k, v in authors_defaults.items())
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=f"--data synth (the offline default) sets: {changed}")
+                                     epilog=epilog)
     comments = field_help(config_cls)
     for f in dataclasses.fields(config_cls):
         default = "" if f.default == "" else f" (default: {f.default})"
@@ -88,8 +95,8 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None):
             parser.add_argument(f"--{f.name}", type=type(f.default), choices=choices, **kind)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     cfg = config_cls(**given)
-    if cfg.data == "synth":
-        cfg = dataclasses.replace(cfg, **{**synth_defaults, **given})
+    presets = {**(synth_defaults if cfg.data == "synth" else {}), **(authors_defaults if cfg.recipe == "authors" else {})}
+    cfg = dataclasses.replace(cfg, **{**presets, **given})
     for name, (low, high) in LIMITS.items():
         value = getattr(cfg, name, None)
         if value is not None and not (low <= value and (high is None or value <= high)):
@@ -99,10 +106,10 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None):
     return cfg
 
 
-def start_run(config_cls, synth_defaults, stage, argv=None, doc=None):
+def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_defaults=None):
     """The first steps of both stages: flags, checks of the data and run folders, processes, device,
     seeds. Only rank 0 prints. Nothing is built, downloaded or written before the checks pass."""
-    cfg = parse_config(config_cls, synth_defaults, stage, argv, doc)
+    cfg = parse_config(config_cls, synth_defaults, stage, argv, doc, authors_defaults)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if cfg.data != "synth" and not Path(cfg.data_root).is_dir():
         raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
@@ -265,17 +272,27 @@ def make_loader(dataset, batch_size, device, workers=-1, sampler=None, seed=0):
 # ---------------------------------------------------------------------------------------------
 # Optimiser and schedule
 # ---------------------------------------------------------------------------------------------
+def freeze_as_authors(clip, keep=()):
+    """--recipe authors: CLIP's embeddings and ln_pre stay as loaded (AUTHORS_FROZEN, but `keep`)."""
+    for name, p in clip.named_parameters():
+        if name in AUTHORS_FROZEN and name not in keep:
+            p.requires_grad_(False)
+
+
 def make_optimizer(model, new_names, cfg):
     """AdamW with two learning rates (new parameters vs CLIP's). Weight decay applies to matrices
     (embeddings included) but not to biases, LayerNorm gains or single vectors such as e1 and e2."""
-    groups = {}
+    groups, frozen = {}, 0
     for name, p in model.named_parameters():
         if not p.requires_grad:
+            frozen += p.numel()
             continue
         lr = cfg.lr if name in new_names else cfg.lr_clip
         decay = cfg.weight_decay if p.ndim >= 2 else 0.0
         groups.setdefault((lr, decay), []).append(p)
     param_groups = [dict(params=ps, lr=lr, weight_decay=wd) for (lr, wd), ps in groups.items()]
+    print("trainable parameters: " + ", ".join(f"{sum(p.numel() for p in ps) / 1e6:.2f}M at lr {lr:g} weight decay {wd:g}"
+                                                for (lr, wd), ps in groups.items()) + f"; frozen: {frozen / 1e6:.2f}M")
     return torch.optim.AdamW(param_groups, betas=(0.9, cfg.beta2), eps=1e-6, fused=True)
 
 

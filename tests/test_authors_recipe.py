@@ -1,0 +1,99 @@
+"""--recipe authors trains as the authors' code: their frozen parameters, their loss, their lengths;
+and the README's table says what the code does."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import adapt
+import caption
+import synth
+import train
+from model import EOT
+from test_authors_checkpoints import IO, authors_state_dict
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+SMALL = ["--data", "synth", "--max_steps", "2", "--batch_size", "8", "--workers", "0"]
+
+
+def frozen(model):
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def small_encoder(recipe):
+    torch.manual_seed(0)
+    return adapt.build_model(adapt.AdaptConfig(preset="small", init="random", n_intra=3, n_inter=1, recipe=recipe))
+
+
+def test_stage_1_freezes_what_their_script_freezes():
+    assert frozen(small_encoder("paper")) == set()
+    assert frozen(small_encoder("authors")) == {"clip." + name for name in train.AUTHORS_FROZEN}
+    assert frozen(small_encoder("authors")) == set(IO["s1_frozen_params"])  # as their freezing loop chose
+
+
+@pytest.mark.parametrize("data, trains", [("clevr", set()), ("spot", {"encoder.clip.token_embedding.weight"})])
+def test_stage_2_freezes_per_dataset_and_their_word_embeddings_move_at_clips_rate(tmp_path, data, trains):
+    torch.save(authors_state_dict(1), tmp_path / "pytorch_model.bin")
+    cfg = caption.CaptionConfig(data=data, init_from=str(tmp_path / "pytorch_model.bin"), n_intra=IO["n_intra"],
+                                n_inter=1, layers=1, heads=2, ffn=32, recipe="authors")
+    captioner = caption.build_captioner(cfg, "cpu")
+    text_tower = {"encoder.clip." + n for n, _ in captioner.encoder.clip.named_parameters()
+                  if not n.startswith("visual.") and n not in ("token_embedding.weight", "positional_embedding")}
+    authors = {"encoder.clip." + name for name in train.AUTHORS_FROZEN}
+    assert frozen(captioner) == (authors | text_tower) - trains  # the rest of the text tower: frozen in both recipes
+    assert "encoder.clip.token_embedding.weight" not in caption.new_parameter_names(captioner, cfg)
+    paper_cfg = caption.CaptionConfig(**{**vars(cfg), "recipe": "paper"})
+    paper = caption.build_captioner(paper_cfg, "cpu")
+    assert frozen(paper) == text_tower
+    assert "encoder.clip.token_embedding.weight" in caption.new_parameter_names(paper, paper_cfg)
+
+
+def test_stage_1_loss_is_half_the_default_one():
+    paper, authors = small_encoder("paper"), small_encoder("authors")
+    authors.load_state_dict(paper.state_dict())
+    before, after = torch.randint(0, 256, (2, 4, 3, 128, 128), dtype=torch.uint8)
+    tokens = torch.tensor([[49406, 320, 1125, EOT] + [0] * 28, [49406, 518, EOT] + [0] * 29] * 2)
+    assert authors(before, after, tokens).item() == pytest.approx(paper(before, after, tokens).item() / 2, rel=1e-6)
+
+
+def test_stage_2_flags_give_32_decoding_steps_after_sot_and_a_full_run():
+    cfg = train.parse_config(caption.CaptionConfig, caption.SYNTH_DEFAULTS, "caption", ["--recipe", "authors"],
+                             authors_defaults=caption.AUTHORS_DEFAULTS)
+    assert (cfg.max_len, cfg.patience) == (33, 0)
+    cfg = train.parse_config(caption.CaptionConfig, caption.SYNTH_DEFAULTS, "caption",
+                             ["--recipe", "authors", "--max_len", "32"], authors_defaults=caption.AUTHORS_DEFAULTS)
+    assert cfg.max_len == 32  # a flag given wins over the recipe
+    captioner = caption.Captioner(small_encoder("paper"), caption.captioner_config(
+        caption.CaptionConfig(layers=1, heads=2, ffn=32, max_len=33)))
+    with torch.no_grad():
+        captioner.head_bias[EOT] = -1e4  # no caption ends early
+    ids = captioner.eval().generate(*torch.randint(0, 256, (2, 2, 3, 128, 128), dtype=torch.uint8))
+    assert ids.shape == (2, 33)  # SOT and 32 decoded tokens
+
+
+def test_runs_print_their_trainable_parameters(tmp_path, capsys):
+    root = tmp_path / "synth"
+    synth.write_synth(root, 30, seed=4)
+    adapt.main([*SMALL, "--data_root", str(root), "--out_dir", str(tmp_path / "a"), "--recipe", "authors"])
+    model = small_encoder("authors")
+    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("trainable parameters: "))
+    assert line.endswith(f"; frozen: {n_frozen / 1e6:.2f}M") and "at lr 0.0005 weight decay 0.05" in line
+    caption.main([*SMALL, "--data_root", str(root), "--out_dir", str(tmp_path / "c"), "--recipe", "authors",
+                  "--init_from", str(tmp_path / "a" / "best.pt"), "--layers", "1", "--ffn", "32"])
+    out = capsys.readouterr().out
+    assert "'max_len': 33" in out and "trainable parameters: " in out and (tmp_path / "c" / "metrics.json").is_file()
+
+
+def table_row(setting):
+    return next(line for line in README.splitlines() if line.startswith(f"| {setting} |"))
+
+
+def test_readme_table_says_what_the_code_does():
+    frozen_row = table_row("frozen CLIP parameters, both stages").split("|")[3]
+    assert set(re.findall(r"`([\w.]+)`", frozen_row)) == set(train.AUTHORS_FROZEN)
+    for flag, value in caption.AUTHORS_DEFAULTS.items():
+        assert f"`--{flag} {value}`" in README
+        assert f"`--{flag} {getattr(caption.CaptionConfig, flag)}`" in README  # beside the default it replaces
+    assert "(IP-T + T-IP) / 2" in table_row("stage-1 loss")
