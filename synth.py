@@ -3,13 +3,15 @@ changes (color, material, add, drop, move) per pair, a distractor of the before 
 viewpoint and light, and captions in CLEVR-Change's style, written in CLEVR-Change's layout
 (data.read_split reads it as "synth").
 
-    python synth.py --out data/synth --pairs 2400 --seed 0
+    python synth.py --out data/synth --pairs 5600 --seed 0
 
 scenes.json beside the captions holds the scene graphs the images were drawn from.
 """
 import argparse
+import functools
 import json
 import logging
+import multiprocessing
 import os
 import random
 import shutil
@@ -183,11 +185,23 @@ def synth_pair(i, seed):
     return scene, change_captions(kind, before, after, old, new, rng), rng.sample(NO_CHANGE, 5)
 
 
+def draw_pair(i, seed, folder):
+    """Draw pair `i` into `folder`'s three image folders; its file name, scene graphs and captions."""
+    scene, captions, no_change = synth_pair(i, seed)
+    name = f"{i:06d}.png"
+    for sub, prefix, objects, camera in (("images", "default", scene["before"], SAME_CAMERA),
+                                         ("sc_images", "semantic", scene["after"], SAME_CAMERA),
+                                         ("nsc_images", "nonsemantic", scene["before"], scene["distractor_camera"])):
+        render(objects, camera).save(folder / sub / f"CLEVR_{prefix}_{name}", compress_level=1)
+    return name, scene, captions, no_change
+
+
 MIN_PAIRS = 10  # a tenth of them for val and a tenth for test: at least one pair each
 
 
-def write_synth(out, n_pairs, seed):
-    """Write `n_pairs` pairs to `out` in CLEVR-Change's layout, plus scenes.json with the scene graphs drawn."""
+def write_synth(out, n_pairs, seed, workers=None):
+    """Write `n_pairs` pairs to `out` in CLEVR-Change's layout, plus scenes.json with the scene graphs
+    drawn; `workers` processes draw them (default: one per core, for large sets only)."""
     out = Path(out)
     if n_pairs < MIN_PAIRS:
         raise InputError(f"--pairs {n_pairs}: expected at least {MIN_PAIRS}, for non-empty val and test splits")
@@ -197,18 +211,14 @@ def write_synth(out, n_pairs, seed):
     files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
     for folder in ("images", "sc_images", "nsc_images"):
         (tmp / folder).mkdir(parents=True)
-    for i in range(n_pairs):
-        scene, captions, no_change = synth_pair(i, seed)
-        distractor_camera = scene["distractor_camera"]
-        name = f"{i:06d}.png"
-        for folder, prefix, objects, camera in (("images", "default", scene["before"], SAME_CAMERA),
-                                                ("sc_images", "semantic", scene["after"], SAME_CAMERA),
-                                                ("nsc_images", "nonsemantic", scene["before"], distractor_camera)):
-            render(objects, camera).save(tmp / folder / f"CLEVR_{prefix}_{name}", compress_level=1)
-        files["change_captions"][f"CLEVR_default_{name}"] = captions
-        files["no_change_captions"][f"CLEVR_default_{name}"] = no_change
-        files["type_mapping"][scene["change_type"]].append(name)
-        files["scenes"][name] = scene
+    workers = workers or min(os.cpu_count() or 1, 1 + n_pairs // 500)
+    with multiprocessing.Pool(workers) as pool:
+        for name, scene, captions, no_change in pool.imap(functools.partial(draw_pair, seed=seed, folder=tmp),
+                                                           range(n_pairs), chunksize=25):
+            files["change_captions"][f"CLEVR_default_{name}"] = captions
+            files["no_change_captions"][f"CLEVR_default_{name}"] = no_change
+            files["type_mapping"][scene["change_type"]].append(name)
+            files["scenes"][name] = scene
     n_eval = min(200, n_pairs // 10)
     ends = (0, n_pairs - 2 * n_eval, n_pairs - n_eval, n_pairs)
     files["splits"] = {split: list(range(a, b)) for split, a, b in zip(("train", "val", "test"), ends, ends[1:])}
@@ -222,18 +232,27 @@ def write_synth(out, n_pairs, seed):
             raise
 
 
-def ensure_synth(root, pairs=2400, seed=0):
-    """Generate the synthetic dataset at `root` unless it exists (2,400 pairs: train 2,000, val 200, test 200)."""
-    if not Path(root).exists():
+PAIRS = 5600  # the offline default: train 5,200, val 200, test 200 (see the README on why so many)
+
+
+def ensure_synth(root, pairs=PAIRS, seed=0):
+    """Generate the synthetic dataset at `root` unless it exists; an existing one of another size is
+    used as it is, with a warning."""
+    root = Path(root)
+    if not root.exists():
         log.warning("generating %d synthetic CLEVR-Change pairs in %s", pairs, root)
         write_synth(root, pairs, seed)
-    return Path(root)
+        return root
+    held = len(json.loads((root / "scenes.json").read_text())) if (root / "scenes.json").is_file() else pairs
+    if held != pairs:
+        log.warning("%s holds %d pairs, not the %d asked for: delete it to generate those", root, held, pairs)
+    return root
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Write the synthetic CLEVR-Change.")
     parser.add_argument("--out", required=True, help="the folder to create")
-    parser.add_argument("--pairs", type=int, default=2400)
+    parser.add_argument("--pairs", type=int, default=PAIRS)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     start = time.perf_counter()

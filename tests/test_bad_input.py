@@ -128,7 +128,7 @@ def test_help_describes_every_flag_and_what_synth_changes(capsys):
 # resume: any change that shapes the model, the optimiser or the data order is refused
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags, changed", [
-    (["--n_intra", "2", "--n_inter", "2"], "'n_intra': (3, 2)"),
+    (["--n_intra", "3", "--n_inter", "1"], "'n_intra': (2, 3)"),
     (["--weight_decay", "0.1"], "'weight_decay': (0.05, 0.1)"),
     (["--batch_size", "8"], "'batch_size': (16, 8)"),
     (["--amp", "bf16"], "'amp': ('auto', 'bf16')"),
