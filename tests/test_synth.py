@@ -45,8 +45,8 @@ def test_layout_and_schemas_are_clevr_changes(dataset):
 
 
 def test_same_seed_same_bytes_other_seed_other_scenes(tmp_path):
-    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
-        synth.write_synth(tmp_path / name, 10, seed)
+    for name, seed, workers in (("a", 5, 1), ("b", 5, 2), ("c", 6, 1)):  # one process or two draw the same
+        synth.write_synth(tmp_path / name, 10, seed, workers)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     assert len(files) == 10 * 3 + 5
     for f in files:
@@ -146,9 +146,12 @@ def test_distractor_camera_shifts_and_zooms_the_objects():
     assert np.array_equal(red_box(light=0.85), box)
 
 
-def test_ensure_synth_generates_only_when_missing(tmp_path):
+def test_ensure_synth_generates_only_when_missing(tmp_path, caplog):
     root = synth.ensure_synth(tmp_path / "s", pairs=10, seed=1)
     assert len(data.read_split("synth", root, "train")) == 8
     stamp = (root / "scenes.json").stat().st_mtime_ns
     synth.ensure_synth(root, pairs=10, seed=1)
+    assert (root / "scenes.json").stat().st_mtime_ns == stamp and "holds" not in caplog.text
+    synth.ensure_synth(root, pairs=12, seed=1)  # a dataset of another size is used as it is, and said so
     assert (root / "scenes.json").stat().st_mtime_ns == stamp
+    assert f"{root} holds 10 pairs, not the 12 asked for: delete it to generate those" in caplog.text
