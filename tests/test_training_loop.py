@@ -130,3 +130,17 @@ def test_resuming_an_early_stopped_run_trains_no_further(tmp_path):
     state = fit(resumed, model, ToyPairs(), lambda: pytest.fail("validated after an early stop"),
                 model.new_parameter_names(), "cosine", patience=2)
     assert state["stopped"] and state["step"] == 3 * 6
+
+
+@pytest.mark.parametrize("cores, world, device, expected", [
+    (2, 1, "cpu", 0),  # the model's two threads use both cores
+    (2, 1, "cuda", 1),
+    (16, 1, "cpu", 8),
+    (16, 1, "cuda", 8),
+    (16, 8, "cuda", 1),
+    (4, 2, "cpu", 0),
+])
+def test_loader_workers_follow_the_cores_and_the_device(monkeypatch, cores, world, device, expected):
+    monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    assert train.default_workers(torch.device(device)) == expected
