@@ -60,7 +60,7 @@ class AdaptConfig:  # defaults: Appendix B and the authors' code
 
 
 # The offline default: what `--data synth` changes unless a flag says otherwise (the README says why).
-SYNTH_DEFAULTS = dict(preset="small", init="random", n_intra=2, n_inter=2, epochs=2, batch_size=32,
+SYNTH_DEFAULTS = dict(preset="small", init="random", n_intra=2, n_inter=2, epochs=2, batch_size=48,
                       lr=5e-4, lr_clip=5e-4, weight_decay=0.05, cache=True)
 
 
