@@ -181,7 +181,7 @@ def fit_rate(args, device):
     dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, store)
     dataset = Repeat(dataset, args.fit_steps * args.batch)  # one epoch: fit writes last.pt at each epoch's end
     print(f"train.fit, {args.fit_steps} steps of {args.batch}, {cfg.amp}, compiled {cfg.compile}, workers "
-          f"{cfg.workers if cfg.workers >= 0 else train.default_workers(device)} (the first lines include compilation):")
+          f"{train.loader_workers(cfg.workers, device)} (the first lines include compilation):")
     train.fit(cfg, model, dataset, lambda: (0.0, {}), model.new_parameter_names(), "cosine")
 
 

@@ -254,10 +254,13 @@ class EpochSampler(torch.utils.data.Sampler):
         return (self.n - self.skip) // self.batch * (self.batch // self.world)
 
 
-def default_workers(device):
-    """Loader processes: the cores of this process's share of the machine, less one for itself, at most 8.
-    None when a CPU of two cores or fewer trains: its threads keep both cores busy, and a loader process
-    only takes turns with them (stage 1 of the offline default, images from the store: 9% faster)."""
+def loader_workers(workers, device):
+    """Loader processes: `workers` (--workers) where it is 0 or more; for -1, the cores of this process's
+    share of the machine, less one for itself, at most 8, and none when a CPU of two cores or fewer
+    trains: its threads keep both cores busy, and a loader process only takes turns with them (stage 1
+    of the offline default, images from the store: 9% faster)."""
+    if workers >= 0:
+        return workers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     share = cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return 0 if device.type == "cpu" and share <= 2 else max(1, min(8, share - 1))
@@ -265,8 +268,8 @@ def default_workers(device):
 
 def make_loader(dataset, batch_size, device, workers=-1, sampler=None, seed=0):
     """Workers never touch the global RNG (own generator), so loading cannot change the training's
-    random stream and a resumed run stays bit-exact. workers -1: `default_workers()`."""
-    workers = workers if workers >= 0 else default_workers(device)
+    random stream and a resumed run stays bit-exact. workers: see `loader_workers`."""
+    workers = loader_workers(workers, device)
     return torch.utils.data.DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=sampler is not None, num_workers=workers,
         pin_memory=device.type == "cuda", persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
