@@ -20,6 +20,7 @@ import torch
 import clip_weights
 import data
 import evaluate
+import figures
 import train
 from adapt import AdaptConfig, build_model
 from data import InputError
@@ -127,7 +128,7 @@ def main(argv=None):
     preds, results = evaluate.score_captions(captioner, test_items, splits["train"], "test", device, store, cfg.amp,
                                              cfg.workers)
     evaluate.save_results(cfg.out_dir, results, "test", preds)
-    print(f"wrote {evaluate.save_examples(Path(cfg.out_dir) / 'examples.png', test_items, preds)}: test pairs and "
+    print(f"wrote {figures.save_examples(Path(cfg.out_dir) / 'examples.png', test_items, preds)}: test pairs and "
           "their captions, the model's over a reference")
 
 

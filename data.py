@@ -182,6 +182,10 @@ def caption_list(value, path, where):
     return value
 
 
+CHANGE_TYPES = ("color", "texture", "move", "add", "drop", "distractor")  # Table 2's column order
+PAPER_TYPE_NAME = {"material": "texture"}  # CLEVR-Change calls the texture change "material"
+
+
 def read_clevr(root, split):
     splits, path = read_json("clevr", root / "splits.json")
     if split not in splits:

@@ -9,7 +9,7 @@ format Pillow reads).
     python evaluate.py --ckpt out/caption-synth/best.pt --pairs pairs.txt --out captions.jsonl
 
 A stage-1 checkpoint over a split gives the retrieval table instead. --attention also saves the
-class tokens' attention over both images, as in the paper's Figure 3.
+class tokens' attention over both images, as in the paper's Figure 3 (drawn by figures.py).
 
 Captioning follows the IDC protocol of Sec. 3.1: BLEU-1..4, METEOR, ROUGE-L and CIDEr-D computed by
 pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR run on Java.
@@ -18,7 +18,6 @@ import argparse
 import json
 import shutil
 import sys
-import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.meteor.meteor import Meteor
@@ -35,8 +34,9 @@ from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
 import clip_weights
 import data
+import figures
 import train
-from data import EOT, InputError
+from data import CHANGE_TYPES, EOT, PAPER_TYPE_NAME, InputError
 from model import Captioner
 
 # ---------------------------------------------------------------------------------------------
@@ -149,9 +149,12 @@ def predict(captioner, items, device, store=None, amp="auto", workers=-1, progre
     return preds
 
 
+def caption_pair(captioner, before, after):
+    """The greedy caption of images before, after [1, 3, S, S] (uint8 pixels or normalised)."""
+    return ids_to_text(captioner.generate(before, after))[0]
+
+
 CAPTION_METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr")
-CHANGE_TYPES = ("color", "texture", "move", "add", "drop", "distractor")  # Table 2's column order
-PAPER_TYPE_NAME = {"material": "texture"}  # CLEVR-Change calls the texture change "material"
 
 
 def require_java():
@@ -249,120 +252,6 @@ def format_table(metrics):
         lines += ["", "CIDEr by change type", "".join(f"{h:>8}" for h in heads),
                   "".join(f"{per_type[t]:>8.1f}" if t in per_type else f"{'-':>8}" for t in CHANGE_TYPES)]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# Figures: the vision encoder's attention over one's own pair (Figure 3), examples of captions
-# ---------------------------------------------------------------------------------------------
-TILE, GAP, MARGIN, HEADER = 224, 4, 64, 24  # figure layout in pixels: image tiles, gaps, label space
-HEAT = np.array([[0, 0, 130], [0, 150, 255], [255, 230, 0], [220, 0, 0]], dtype=float)  # heatmap colours, low -> high
-
-
-def caption_pair(captioner, before, after):
-    """The greedy caption of images before, after [1, 3, S, S] (uint8 pixels or normalised)."""
-    return ids_to_text(captioner.generate(before, after))[0]
-
-
-@torch.no_grad()
-def attention_maps(captioner, before, after):
-    """{"intra": [2, g, g], "inter": [2, g, g]}: the class tokens' attention, mean over heads, to the
-    g x g patches of the before and the after image, in the last intra and the last inter layer."""
-    encoder = captioner.encoder
-    blocks, n_intra = encoder.clip.visual.transformer.resblocks, encoder.config.n_intra
-    layers = {}
-    if n_intra:
-        layers["intra"] = blocks[n_intra - 1].attn
-    if encoder.config.n_inter:
-        layers["inter"] = blocks[-1].attn
-    for attn in layers.values():
-        attn.keep_map = True
-    try:
-        encoder.encode_pair(before, after)
-        maps = {name: attn.map for name, attn in layers.items()}
-    finally:
-        for attn in layers.values():
-            attn.keep_map, attn.map = False, None
-    n1 = encoder.clip.visual.positional_embedding.shape[0]  # n + 1 tokens per image
-    grid = encoder.config.clip.image_size // encoder.config.clip.patch_size
-    if "intra" in maps:  # the batch holds [before; after]: each class token sees its own image only
-        maps["intra"] = maps["intra"][:, :, 0, 1:].mean(1)
-    if "inter" in maps:  # one sequence [cls1, patches1, cls2, patches2]: both class tokens see both images
-        maps["inter"] = maps["inter"][0, :, [0, n1]].mean((0, 1)).view(2, n1)[:, 1:]
-    return {name: m.view(2, grid, grid).cpu() for name, m in maps.items()}
-
-
-def heatmap(weights, size):
-    """weights [g, g] in [0, 1] as a size x size RGB image, dark blue (low) through yellow to red."""
-    x = np.asarray(Image.fromarray(weights.float().numpy()).resize((size, size), Image.BILINEAR))
-    rgb = np.stack([np.interp(x, np.linspace(0, 1, len(HEAT)), HEAT[:, c]) for c in range(3)], axis=-1)
-    return Image.fromarray(rgb.round().astype(np.uint8))
-
-
-def attention_figure(images, maps):
-    """Columns before / after; rows the images, then each map of attention_maps overlaid on them.
-
-    Both images of a row share one scale, the row's largest weight, so the figure shows how the
-    attention splits between the images, and a uniform map stays uniform rather than stretched."""
-    rows, step = ["images", *maps], TILE + GAP
-    figure = Image.new("RGB", (MARGIN + 2 * step, HEADER + len(rows) * step), "white")
-    draw, font = ImageDraw.Draw(figure), ImageFont.load_default(size=16)
-    for c, label in enumerate(("before", "after")):
-        draw.text((MARGIN + c * step + 4, 4), label, fill="black", font=font)
-    for r, name in enumerate(rows):
-        y = HEADER + r * step
-        draw.text((4, y + TILE // 2 - 8), name, fill="black", font=font)
-        for c, image in enumerate(images):
-            if name != "images":
-                image = Image.blend(image, heatmap(maps[name][c] / maps[name].max(), TILE), 0.5)
-            figure.paste(image, (MARGIN + c * step, y))
-    return figure
-
-
-EXAMPLE = (240, 160, 6, 13, 5)  # examples.png: image box width and height, gap, font size, text lines a pair
-
-
-def example_items(items, n=6):
-    """A fixed handful of evaluation items: on CLEVR-Change the first of each change type (Table 2's
-    order), a distractor among them; elsewhere the first n."""
-    firsts = [next((i for i in items if PAPER_TYPE_NAME.get(i.change_type, i.change_type) == t), None)
-              for t in CHANGE_TYPES]
-    return [i for i in firsts if i] or items[:n]
-
-
-def examples_figure(items, preds):
-    """For each item, before and after side by side (at their own aspect), and under them the
-    generated caption and the first reference, in a grid of two columns."""
-    width, height, gap, font_size, lines = EXAMPLE
-    cell_w, cell_h = 2 * width + gap, height + gap + lines * (font_size + 3)
-    rows = (len(items) + 1) // 2
-    figure = Image.new("RGB", (2 * cell_w + 3 * gap * 4, rows * (cell_h + 4 * gap) + 2 * gap), "white")
-    draw, font = ImageDraw.Draw(figure), ImageFont.load_default(size=font_size)
-    for n, item in enumerate(items):
-        x, y = 4 * gap + (n % 2) * (cell_w + 4 * gap), 2 * gap + (n // 2) * (cell_h + 4 * gap)
-        for k, path in enumerate((item.before, item.after)):
-            with Image.open(path) as image:
-                image = data.to_rgb(image)
-            image.thumbnail((width, height))
-            figure.paste(image, (x + k * (width + gap) + (width - image.width) // 2, y + (height - image.height) // 2))
-        kind = PAPER_TYPE_NAME.get(item.change_type, item.change_type)
-        text = [(f"{kind + ': ' if kind else ''}model: {preds[item.id]}", "navy"), (f"reference: {item.captions[0]}", "dimgray")]
-        wrapped = [(line, color) for caption, color in text for line in textwrap.wrap(caption, 2 * width // (font_size * 0.55))]
-        for k, (line, color) in enumerate(wrapped[:lines]):
-            draw.text((x, y + height + gap + k * (font_size + 3)), line, fill=color, font=font)
-    return figure
-
-
-def save_examples(out, items, preds):
-    """examples.png (see examples_figure) at `out`; returns its path."""
-    examples_figure(example_items(items), preds).save(out)
-    return out
-
-
-def save_attention(captioner, before, after, paths, out):
-    """Figure 3 for preprocessed images before, after read from the files `paths`, saved to `out`."""
-    images = [Image.fromarray(data.read_pixels(p, TILE).permute(1, 2, 0).numpy()) for p in paths]
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    attention_figure(images, attention_maps(captioner, before, after)).save(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +367,7 @@ def caption_one_pair(captioner, args):
     before, after = (data.read_pixels(p, size)[None] for p in args.pair)
     print(caption_pair(captioner, before, after))
     if args.attention:
-        save_attention(captioner, before, after, args.pair, args.attention)
+        figures.save_attention(captioner, before, after, args.pair, args.attention)
         print(f"wrote {args.attention}")
 
 

@@ -8,6 +8,7 @@ from PIL import Image
 import clip_weights
 import data
 import evaluate
+import figures
 import train
 from evaluate import ids_to_text
 from model import Captioner, CaptionerConfig
@@ -54,13 +55,13 @@ def test_attention_figure_has_a_row_per_encoder_part(tmp_path, capsys, n_intra, 
     evaluate.main(["--ckpt", str(tmp_path / "best.pt"), "--pair", str(before), str(after), "--attention", str(out)])
     assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out}"
 
-    step = evaluate.TILE + evaluate.GAP
+    step = figures.TILE + figures.GAP
     with Image.open(out) as figure:
-        assert figure.size == (evaluate.MARGIN + 2 * step, evaluate.HEADER + (1 + len(rows)) * step)
+        assert figure.size == (figures.MARGIN + 2 * step, figures.HEADER + (1 + len(rows)) * step)
         pixels = np.asarray(figure.convert("RGB")).astype(int)
-    tiles = [pixels[evaluate.HEADER + r * step:][:evaluate.TILE, evaluate.MARGIN:][:, :2 * step] for r in range(1 + len(rows))]
-    photos = np.asarray(Image.open(before).convert("RGB").resize((evaluate.TILE,) * 2, Image.BICUBIC)).astype(int)
-    assert np.abs(tiles[0][:, :evaluate.TILE] - photos).max() <= 1  # the first row shows the images themselves
+    tiles = [pixels[figures.HEADER + r * step:][:figures.TILE, figures.MARGIN:][:, :2 * step] for r in range(1 + len(rows))]
+    photos = np.asarray(Image.open(before).convert("RGB").resize((figures.TILE,) * 2, Image.BICUBIC)).astype(int)
+    assert np.abs(tiles[0][:, :figures.TILE] - photos).max() <= 1  # the first row shows the images themselves
     for overlay in tiles[1:]:
         assert np.abs(overlay - tiles[0]).mean() > 10
     if len(rows) == 2:
@@ -70,9 +71,9 @@ def test_attention_figure_has_a_row_per_encoder_part(tmp_path, capsys, n_intra, 
 def test_intra_maps_see_one_image_and_inter_maps_see_both():
     captioner = tiny_captioner()
     before, after, other = torch.randn(3, 1, 3, 32, 32)
-    maps = evaluate.attention_maps(captioner, before, after)
+    maps = figures.attention_maps(captioner, before, after)
     assert {k: v.shape for k, v in maps.items()} == {"intra": (2, 4, 4), "inter": (2, 4, 4)}
-    changed = evaluate.attention_maps(captioner, before, other)
+    changed = figures.attention_maps(captioner, before, other)
     torch.testing.assert_close(changed["intra"][0], maps["intra"][0])  # the before image's own class token
     assert (changed["intra"][1] - maps["intra"][1]).abs().max() > 1e-4
     assert (changed["inter"][0] - maps["inter"][0]).abs().max() > 1e-4  # the pair's class tokens see the change
@@ -94,7 +95,7 @@ def test_maps_are_the_class_token_rows_without_class_token_columns():
     patches = [j for j in range(34) if j not in (0, 17)]
     expected = {"intra": intra[:, :, 0, 1:].mean(1).reshape(2, 4, 4),
                 "inter": inter[0, :, (0, 17)][:, :, patches].mean((0, 1)).reshape(2, 4, 4)}
-    maps = evaluate.attention_maps(captioner, before, after)
+    maps = figures.attention_maps(captioner, before, after)
     for name in expected:
         torch.testing.assert_close(maps[name], expected[name])
 
@@ -105,7 +106,7 @@ def test_uniform_attention_gives_flat_maps():
         for block in captioner.encoder.clip.visual.transformer.resblocks:
             block.attn.in_proj_weight[:48].zero_()
             block.attn.in_proj_bias[:48].zero_()
-    maps = evaluate.attention_maps(captioner, *torch.randn(2, 1, 3, 32, 32))
+    maps = figures.attention_maps(captioner, *torch.randn(2, 1, 3, 32, 32))
     torch.testing.assert_close(maps["intra"], torch.full((2, 4, 4), 1 / 17))  # n + 1 = 17 tokens per image
     torch.testing.assert_close(maps["inter"], torch.full((2, 4, 4), 1 / 34))  # 2(n + 1) tokens per pair
 

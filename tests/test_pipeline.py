@@ -7,6 +7,7 @@ import adapt
 import caption
 import data
 import evaluate
+import figures
 import synth
 
 
@@ -33,10 +34,10 @@ def test_adapt_then_caption_then_evaluate(tmp_path, capsys):
     assert f"wrote {figure_path}" in capsys.readouterr().out
     with Image.open(figure_path) as figure:
         figure.verify()  # a whole PNG
-    shown = evaluate.example_items(data.eval_items(data.read_split("synth", root, "test")))
+    shown = figures.example_items(data.eval_items(data.read_split("synth", root, "test")))
     assert {i.change_type for i in shown} == {"color", "material", "move", "add", "drop", "distractor"} & {
         i.change_type for i in data.eval_items(data.read_split("synth", root, "test"))}
-    width, height, gap, font_size, lines = evaluate.EXAMPLE
+    width, height, gap, font_size, lines = figures.EXAMPLE
     rows = (len(shown) + 1) // 2
     assert figure.size == (2 * (2 * width + gap) + 12 * gap, rows * (height + gap + lines * (font_size + 3) + 4 * gap)
                            + 2 * gap)
