@@ -23,8 +23,8 @@ from data import InputError
 from model import CLIP4IDC, CLIP4IDCConfig, CLIPConfig
 
 # A CLIP small enough to train from scratch on a laptop CPU in minutes (128 px, patch 16).
-SMALL_CLIP = CLIPConfig(embed_dim=128, image_size=128, patch_size=16, vision_width=128, vision_layers=4,
-                        vision_heads=4, context_length=32, text_width=128, text_layers=2, text_heads=4)
+SMALL_CLIP = CLIPConfig(embed_dim=64, image_size=128, patch_size=16, vision_width=64, vision_layers=4,
+                        vision_heads=4, context_length=32, text_width=64, text_layers=2, text_heads=4)
 
 
 @dataclass
@@ -60,7 +60,7 @@ class AdaptConfig:  # defaults: Appendix B and the authors' code
 
 
 # The offline default: what `--data synth` changes unless a flag says otherwise (the README says why).
-SYNTH_DEFAULTS = dict(preset="small", init="random", n_intra=2, n_inter=2, epochs=2, batch_size=48,
+SYNTH_DEFAULTS = dict(preset="small", init="random", n_intra=2, n_inter=2, epochs=5, batch_size=48,
                       lr=5e-4, lr_clip=5e-4, weight_decay=0.05, cache=True)
 
 

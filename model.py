@@ -362,6 +362,27 @@ class DecoderLayer(nn.Module):
         return self.ln_3(y + self.drop(self.mlp(y)))
 
 
+class WordCrossEntropy(torch.autograd.Function):
+    """F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum") in fp32, whose backward
+    turns the saved log-probabilities into the gradient in place instead of writing two more buffers
+    of [tokens, 49,408 words]: on a CPU a fresh buffer that size (about 80 MB) costs as much in page
+    faults as the arithmetic on it."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        logp, keep = torch.log_softmax(logits.float(), dim=-1), targets != IGNORE
+        targets = targets.clamp(min=0)[:, None]
+        ctx.save_for_backward(logp, targets, keep)
+        ctx.dtype = logits.dtype
+        return -(logp.gather(1, targets)[:, 0] * keep).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logp, targets, keep = ctx.saved_tensors
+        probs = logp.exp_().scatter_add_(1, targets, torch.full_like(targets, -1, dtype=logp.dtype))
+        return probs.mul_(grad * keep[:, None]).to(ctx.dtype), None  # softmax - one-hot, per real token
+
+
 class Captioner(nn.Module):
     def __init__(self, encoder: CLIP4IDC, config: CaptionerConfig = None):
         super().__init__()
@@ -414,7 +435,7 @@ class Captioner(nn.Module):
         return y
 
     def logits(self, y):
-        return self.head(y) @ self.encoder.clip.token_embedding.weight.t() + self.head_bias  # tied to the input
+        return F.linear(self.head(y), self.encoder.clip.token_embedding.weight, self.head_bias)  # tied to the input
 
     def forward(self, before, after, ids):
         """The word-level cross-entropy of captions `ids` (SOT ... EOT, zero padded), by teacher
@@ -428,8 +449,7 @@ class Captioner(nn.Module):
         real = targets != IGNORE
         if skip_padding(y):  # the vocabulary projection is the costliest layer: spare it the padding
             y, targets = y[real], targets[real]
-        loss = F.cross_entropy(self.logits(y).flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE,
-                               reduction="sum")
+        loss = WordCrossEntropy.apply(self.logits(y).flatten(0, -2), targets.flatten())
         return global_mean(loss, real.sum())
 
     @torch.no_grad()

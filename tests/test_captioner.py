@@ -1,7 +1,7 @@
 import torch
 
 from evaluate import ids_to_text
-from model import EOT, SOT, Captioner, CaptionerConfig
+from model import EOT, IGNORE, SOT, Captioner, CaptionerConfig, WordCrossEntropy
 from tiny import tiny_pair_encoder
 
 import data
@@ -65,6 +65,22 @@ def test_caption_loss_is_the_cross_entropy_of_real_tokens_only():
     torch.testing.assert_close(model(before, after, ids), expected, rtol=1e-5, atol=1e-5)
     padded = torch.cat([ids, torch.zeros(2, 5, dtype=torch.long)], dim=1)  # padding changes nothing
     torch.testing.assert_close(model(before, after, padded), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_word_cross_entropy_equals_torch_cross_entropy_in_value_and_gradient():
+    torch.manual_seed(0)
+    targets = torch.tensor([5, IGNORE, 0, 49407, IGNORE, 77])
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        logits = (3 * torch.randn(6, 49408)).to(dtype).requires_grad_()
+        reference = logits.detach().clone().requires_grad_()
+        ours = WordCrossEntropy.apply(logits, targets)
+        expected = torch.nn.functional.cross_entropy(reference.float(), targets, ignore_index=IGNORE, reduction="sum")
+        (2.5 * ours).backward()
+        (2.5 * expected).backward()
+        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-4)
+        assert logits.grad.dtype == dtype
+        torch.testing.assert_close(logits.grad, reference.grad, rtol=tolerance, atol=tolerance)
+        assert (logits.grad[targets == IGNORE] == 0).all() and (logits.grad[targets != IGNORE] != 0).any()
 
 
 def test_generated_ids_decode_to_the_caption_text():
