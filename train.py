@@ -12,7 +12,6 @@ same on any number of GPUs. Each process reads its slice of every global batch; 
 prints, generates data, builds the image store, validates, and writes checkpoints and metrics.
 """
 import argparse
-import atexit
 import dataclasses
 import inspect
 import itertools
@@ -68,6 +67,9 @@ def main(run, argv=None):
     except (InputError, FileNotFoundError) as e:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    if distributed():  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
+        barrier()
+        dist.destroy_process_group()
 
 
 def field_help(config_cls):
@@ -177,7 +179,6 @@ def setup_device(cfg):
         # A long timeout: the other processes wait while rank 0 builds the image store or validates.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=2),
                                 device_id=device if device.type == "cuda" else None)
-        atexit.register(dist.destroy_process_group)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     return device
@@ -224,7 +225,7 @@ def prepare_data(cfg, image_size):
     size. Rank 0 generates and builds what is missing while the others wait, then they read it."""
     if rank() != 0:
         barrier()
-    if cfg.data == "synth":
+    if cfg.data == "synth" and rank() == 0:
         synth.ensure_synth(cfg.data_root)
     splits = {split: data.read_split(cfg.data, cfg.data_root, split) for split in ("train", "val", "test")}
     store = data.ImageStore([p for s in splits.values() for p in s], image_size, cfg.data_root) if cfg.cache else None

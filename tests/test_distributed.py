@@ -30,7 +30,7 @@ def train(script, processes, *flags):
     result = subprocess.run(command(script, processes, *flags), cwd=ROOT, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return result.stdout + result.stderr
 
 
 def weights(out_dir):
@@ -54,6 +54,7 @@ def runs(tmp_path_factory):
         log = train("adapt.py", processes, "--data_root", str(tmp / "synth"), "--out_dir", str(out[1, processes]),
                     *STAGE_1)
         assert (f"\n{processes} processes" in log) == (processes > 1)
+        assert log.count("holds 60 pairs, not the 5600 asked for") == 1, log  # rank 0 alone checks the data
     for processes in (1, 2):
         out[2, processes] = tmp / f"caption{processes}"
         train("caption.py", processes, "--data_root", str(tmp / "synth"), "--out_dir", str(out[2, processes]),
