@@ -176,7 +176,7 @@ def setup_device(cfg):
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-        # A long timeout: the other processes wait while rank 0 builds the image store or validates.
+        # A long timeout: the other processes wait while rank 0 builds the image store, validates or tests.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=2),
                                 device_id=device if device.type == "cuda" else None)
     torch.backends.cuda.matmul.allow_tf32 = True
