@@ -44,7 +44,7 @@ class AdaptConfig:  # defaults: Appendix B and the authors' code
     weight_decay: float = 0.2  # AdamW's, on matrices only
     beta2: float = 0.98  # AdamW's second-moment decay, as CLIP was trained
     warmup: float = 0.1  # fraction of the steps with a rising rate; then cosine decay
-    grad_clip: float = 1.0  # largest gradient norm
+    grad_clip: float = 1.0  # largest gradient norm (0: no clipping)
     seed: int = 42  # model initialisation, data order, distractor swaps
     max_steps: int = 0  # stop after this many steps (0: all epochs)
     cache: bool = False  # decode and resize every image once, into a uint8 file beside the data (data.ImageStore)

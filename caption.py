@@ -35,7 +35,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     init_from: str = ""  # the pair encoder: a stage-1 checkpoint, ours or the authors' (default: out/adapt-<data>/best.pt), or openai
     clip: str = "ViT-B/32"  # with --init_from openai: OpenAI's model name or a checkpoint path
     n_intra: int = 9  # with --init_from openai or an authors' file: layers that see one image
-    n_inter: int = 3  # with --init_from openai or an authors' file: layers that see the pair
+    n_inter: int = 3  # with --init_from openai: layers that see the pair (an authors' file: its layers after n_intra)
     layers: int = 3  # captioning encoder layers, and as many decoder layers
     heads: int = 8  # attention heads of the captioner
     ffn: int = 2048  # hidden units of the captioner's feed-forward layers
@@ -49,7 +49,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     weight_decay: float = 0.01  # AdamW's, on matrices only
     beta2: float = 0.999  # AdamW's second-moment decay, as the authors' BertAdam
     warmup: float = 0.1  # fraction of the steps with a rising rate; then linear decay
-    grad_clip: float = 1.0  # largest gradient norm
+    grad_clip: float = 1.0  # largest gradient norm (0: no clipping)
     patience: int = 10  # stop after this many epochs without a better val CIDEr (0: never)
     seed: int = 42  # model initialisation, data order, caption choice, dropout
     max_steps: int = 0  # stop after this many steps (0: all epochs)
@@ -88,7 +88,10 @@ def build_captioner(cfg, device):
         if not isinstance(encoder, CLIP4IDC):
             raise InputError(f"{path} holds a captioner: --init_from takes a stage-1 checkpoint (adapt.py's best.pt, "
                              "or the authors' pretrained pytorch_model.bin)")
-    captioner = Captioner(encoder, captioner_config(cfg)).to(device)
+    try:
+        captioner = Captioner(encoder, captioner_config(cfg)).to(device)
+    except ValueError as e:  # flags the pair encoder cannot take, such as a --max_len beyond its text positions
+        raise InputError(str(e)) from None
     if cfg.recipe == "authors":  # on Spot-the-Diff their stage 2 trains the token embedding, at CLIP's rate
         train.freeze_as_authors(encoder.clip, keep=("token_embedding.weight",) if cfg.data == "spot" else ())
     return captioner

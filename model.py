@@ -392,7 +392,8 @@ class Captioner(nn.Module):
             raise ValueError("the captioner reads projected visual tokens with CLIP's word embeddings: "
                              f"text_width ({clip_config.text_width}) must equal embed_dim ({clip_config.embed_dim})")
         if c.max_len - 1 > clip_config.context_length:  # the last token is only ever predicted
-            raise ValueError(f"max_len={c.max_len} exceeds CLIP's {clip_config.context_length} text positions + 1")
+            raise ValueError(f"max_len {c.max_len}: expected at most {clip_config.context_length + 1}, "
+                             f"CLIP's {clip_config.context_length} text positions + 1")
         width = clip_config.embed_dim
         self.encoder = encoder  # the (adapted) pair encoder; its text tower lends the word embeddings
         for name, p in encoder.clip.named_parameters():

@@ -112,11 +112,11 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
     """The first steps of both stages: flags, checks of the data and run folders, processes, device,
     seeds. Only rank 0 prints. Nothing is built, downloaded or written before the checks pass."""
     cfg = parse_config(config_cls, synth_defaults, stage, argv, doc, authors_defaults)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if cfg.data != "synth" and not Path(cfg.data_root).is_dir():
         raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
     check_run_folder(cfg)
     device = setup_device(cfg)
+    logging.basicConfig(level=logging.INFO if rank() == 0 else logging.ERROR, format="%(message)s")
     if rank() != 0:
         sys.stdout = open(os.devnull, "w")
     print(f"config: {asdict(cfg)}" + (f"\n{world()} processes" if distributed() else ""))
@@ -208,8 +208,9 @@ def gather_objects(obj):
 
 def mixed_precision(device, amp):
     """Autocast context and grad scaler for `amp`: bf16 needs no scaler, fp16 does."""
-    if amp == "auto":
-        amp = "off" if device.type != "cuda" else "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if amp == "auto":  # bf16 where the GPU has it natively (Ampere on), not torch's slow emulation of it
+        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        amp = "off" if device.type != "cuda" else "bf16" if native_bf16 else "fp16"
     if amp == "off":
         return nullcontext(), None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
@@ -356,12 +357,14 @@ def resume(path, run):
 # ---------------------------------------------------------------------------------------------
 def update(model, loss, optimizer, scaler, grad_clip):
     """Backward pass, gradient clipping and the optimiser step, with the fp16 grad scaler if any.
-    Nothing here waits for the GPU: the fused optimiser skips a step with inf gradients on the device."""
+    Nothing here waits for the GPU: under fp16 the fused optimiser skips a step with inf gradients on
+    the device."""
     optimizer.zero_grad(set_to_none=True)
     (scaler.scale(loss) if scaler else loss).backward()
     if scaler:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if scaler:
         scaler.step(optimizer)
         scaler.update()
@@ -390,6 +393,8 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     schedule = make_schedule(optimizer, total, cfg.warmup, decay)
     run = dict(model=model, optimizer=optimizer, schedule=schedule, scaler=scaler)  # all that last.pt restores
     state = dict(step=0, best=-math.inf, best_epoch=0, history=[], stopped=False, before=before)
+    if distributed():  # the processes built the same model; their dropout masks must differ, as within one batch
+        torch.manual_seed(cfg.seed + rank())
     net = DistributedDataParallel(model) if distributed() else model  # gradients averaged over processes
     # On one GPU, CUDA graphs replay each compiled step with one launch instead of hundreds.
     graphs = cfg.compile and device.type == "cuda" and not distributed()
@@ -451,7 +456,10 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                           f"lr {max(schedule.get_last_lr()):.2e}{extra} pairs/s {pairs / seconds:.1f} "
                           f"eta {data.format_eta((total - state['step']) * seconds / steps)}", flush=True)
                     since, pairs, steps = time.time(), 0, 0
-                if state["step"] % cfg.save_every == 0 and state["step"] % steps_per_epoch != 0:  # epoch ends save later
+                # An epoch's end and the run's end save after validating: killed while validating, a run
+                # resumes from before them and validates again.
+                validates_next = state["step"] % steps_per_epoch == 0 or state["step"] == total
+                if state["step"] % cfg.save_every == 0 and not validates_next:
                     checkpoint()
             end_of_epoch(epoch + 1)
     return state

@@ -237,6 +237,12 @@ def test_checkpoints_that_are_not_ours_are_named(root, stage_1, tmp_path, capsys
     assert not (tmp_path / "c").exists()
 
 
+def test_a_caption_length_beyond_the_encoders_text_positions_is_refused(root, stage_1, tmp_path, capsys):
+    assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
+                    stage_1 / "best.pt", "--max_len", 34).endswith("max_len 34: expected at most 33, CLIP's 32 text positions + 1")
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("content, message", [
     (b"[{'image_id': 1}", "not a JSON file"),
     (b'{"image_id": "x", "caption": "y"}', 'expected a list of {"image_id", "caption"} objects, not a dict'),

@@ -1,5 +1,5 @@
 """The training steps compile to one graph whatever the caption lengths, and fit() trains under
-bf16 autocast and under fp16 with the grad scaler."""
+bf16 autocast and under fp16 with the grad scaler; --amp auto picks bf16 only where the GPU has it."""
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -8,7 +8,7 @@ from adapt import AdaptConfig
 from model import EOT, Captioner, CaptionerConfig
 from test_training_loop import ToyPairs
 from tiny import tiny_pair_encoder
-from train import fit
+from train import fit, mixed_precision
 
 
 def captions(batch, eot_at, length=12):
@@ -68,3 +68,15 @@ def test_fit_trains_under_autocast(tmp_path, amp, make_model):
     assert ("scaler" in saved) == (amp == "fp16")  # fp16 alone needs the grad scaler, and resumes it
     if amp == "fp16":
         assert saved["scaler"]["scale"] > 0
+
+
+@pytest.mark.parametrize("native_bf16, dtype, scaled", [(True, torch.bfloat16, False), (False, torch.float16, True)])
+def test_auto_precision_takes_bf16_only_where_the_gpu_computes_it(monkeypatch, native_bf16, dtype, scaled):
+    # torch also says bf16 is supported where it would emulate it (V100, T4): slow, so fp16 there
+    def is_bf16_supported(including_emulation=True):
+        return including_emulation or native_bf16
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    with pytest.warns(UserWarning):  # this machine has no CUDA: autocast and the scaler say so, and stay off
+        autocast, scaler = mixed_precision(torch.device("cuda"), "auto")
+    assert autocast.fast_dtype == dtype and (scaler is not None) == scaled

@@ -1,6 +1,6 @@
 """Several processes through torchrun (gloo on CPU): 2 processes with half the global batch each
-train both stages to the weights of 1 process with the whole batch, and a killed 2-process run
-resumes to the same weights."""
+train both stages to the weights of 1 process with the whole batch, a killed 2-process run
+resumes to the same weights, and each process draws its own dropout masks."""
 import os
 import signal
 import subprocess
@@ -97,3 +97,39 @@ def test_a_killed_two_process_run_resumes(runs):
     log = train("adapt.py", 2, *flags, "--resume")
     assert f"at step {step}" in log, log
     assert_same_weights(weights(out), weights(runs[1, 2]))
+
+
+DROPOUT = """
+import sys, torch
+import train
+from adapt import AdaptConfig
+from test_training_loop import ToyPairs
+from tiny import tiny_pair_encoder
+
+masks, cfg = [], AdaptConfig(out_dir=sys.argv[1], device="cpu", epochs=1, max_steps=1, batch_size=4, workers=0)
+train.setup_device(cfg)
+torch.manual_seed(cfg.seed)  # as train.start_run seeds every process
+model = tiny_pair_encoder()
+loss = model.forward
+
+def dropping(*batch):  # the loss, and a dropout mask drawn as a dropout layer would
+    masks.append(torch.nn.functional.dropout(torch.ones(64), 0.5, training=True))
+    return loss(*batch)
+
+model.forward = dropping
+train.fit(cfg, model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
+first, second = train.gather_objects(masks[0])
+if train.rank() == 0:
+    print("masks", "equal" if torch.equal(first, second) else "differ")
+train.barrier()
+"""
+
+
+def test_each_process_draws_its_own_dropout_masks(tmp_path):
+    (tmp_path / "dropping.py").write_text(DROPOUT)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
+    result = subprocess.run(launcher + [str(tmp_path / "dropping.py"), str(tmp_path / "out")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "masks differ" in result.stdout, result.stdout[-3000:]

@@ -72,6 +72,33 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, make_
         assert torch.equal(a, b), name
 
 
+def test_a_run_killed_while_validating_its_last_step_validates_on_resume(tmp_path):
+    cfg = config(tmp_path, max_steps=4, save_every=2)  # ends mid-epoch (6 steps an epoch), on a saving step
+
+    def killed():
+        raise KeyboardInterrupt("killed")
+
+    torch.manual_seed(0)
+    model = tiny_pair_encoder()
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, model, ToyPairs(), killed, model.new_parameter_names(), "cosine")
+    assert torch.load(tmp_path / "last.pt", weights_only=False)["state"]["step"] == 2
+    state = fit(AdaptConfig(**{**cfg.__dict__, "resume": True}), model, ToyPairs(), lambda: (1.0, {}),
+                model.new_parameter_names(), "cosine")
+    assert [h["step"] for h in state["history"]] == [4] and (tmp_path / "best.pt").exists()
+
+
+@pytest.mark.parametrize("grad_clip, clipped", [(0.0, False), (1e9, False), (1e-3, True)])
+def test_grad_clip_0_turns_clipping_off(grad_clip, clipped):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss = model(torch.ones(2, 4)).sum() * 100
+    train.update(model, loss, optimizer, None, grad_clip)
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert norm == pytest.approx(1e-3) if clipped else norm > 100
+
+
 def test_best_checkpoint_follows_the_validation_score_and_patience_stops_early(tmp_path):
     torch.manual_seed(0)
     model = tiny_pair_encoder()
