@@ -42,8 +42,11 @@ def load(name_or_path, device="cpu", root=CACHE_DIR):
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (known names: {', '.join(MODELS)})")
     sd = read_state_dict(path)
-    model = CLIP(config_from_state_dict(sd))
-    load_weights(model, sd)
+    try:
+        model = CLIP(config_from_state_dict(sd))
+    except InputError as e:
+        raise InputError(f"{path}: {e}") from None
+    load_weights(model, sd, path)
     return model.to(device).eval()
 
 
@@ -57,11 +60,14 @@ def model_config(model):
     return {"encoder": asdict(model.config)}
 
 
-def model_from_config(config):
+def model_from_config(config, name="checkpoint"):
     """An untrained model shaped as `model_config` describes it."""
-    encoder = dict(config["encoder"])
-    encoder = CLIP4IDC(CLIP4IDCConfig(clip=CLIPConfig(**encoder.pop("clip")), **encoder))
-    return Captioner(encoder, CaptionerConfig(**config["captioner"])) if "captioner" in config else encoder
+    try:
+        encoder = dict(config["encoder"])
+        encoder = CLIP4IDC(CLIP4IDCConfig(clip=CLIPConfig(**encoder.pop("clip")), **encoder))
+        return Captioner(encoder, CaptionerConfig(**config["captioner"])) if "captioner" in config else encoder
+    except (KeyError, TypeError, ValueError) as e:  # a config written by something else, or edited by hand
+        raise InputError(f"{name}: its model_config describes no model of ours ({type(e).__name__}: {first_line(e)})") from None
 
 
 def load_checkpoint(path, device="cpu", n_intra=9, heads=8):
@@ -72,8 +78,8 @@ def load_checkpoint(path, device="cpu", n_intra=9, heads=8):
     of heads: `n_intra` and `heads` give them (their released models: 9 + 3 layers, 8 heads)."""
     ckpt = read_checkpoint(path)
     if isinstance(ckpt, dict) and {"model", "model_config"} <= ckpt.keys():
-        model = model_from_config(ckpt["model_config"])
-        model.load_state_dict(ckpt["model"])
+        model = model_from_config(ckpt["model_config"], path)
+        load_weights(model, ckpt["model"], path)
     elif isinstance(ckpt, dict) and any(k.removeprefix("module.").startswith("clip.visual.") for k in ckpt):
         model = from_authors(ckpt, n_intra, heads, path)
     else:
@@ -82,14 +88,19 @@ def load_checkpoint(path, device="cpu", n_intra=9, heads=8):
     return model.to(device).eval()
 
 
-def read_checkpoint(path):
-    """torch.load of a checkpoint, tensors and plain data only; a file it cannot read is named."""
+def read_checkpoint(path, mmap=False):
+    """torch.load of a checkpoint, tensors and plain data only; a file it cannot read is named.
+    mmap: tensors are read only when used."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # truncated, not torch's format, or pickled objects: all a bad file, not a bug
-        raise InputError(f"{path}: cannot read it as a checkpoint ({str(e).splitlines()[0]})") from None
+        raise InputError(f"{path}: cannot read it as a checkpoint ({first_line(e)})") from None
+
+
+def first_line(error):
+    return (str(error).splitlines() or [type(error).__name__])[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,6 +166,8 @@ def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
     model = CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=n_intra))
     if any(k.startswith("decoder.") for k in sd):
         ffn = sd.get("decoder.encoder.layer.0.intermediate.dense.bias")  # when absent, reported below
+        if clip_config.embed_dim % heads:
+            raise InputError(f"--heads {heads}: expected a divisor of {name}'s captioner width {clip_config.embed_dim}")
         model = Captioner(model, CaptionerConfig(layers=count_blocks(sd, "decoder.encoder.layer."), heads=heads,
                                                  ffn=CaptionerConfig.ffn if ffn is None else len(ffn)))
     for alias, target in AUTHORS_ALIASES.items():
@@ -169,7 +182,7 @@ def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
         raise InputError(f"{name}: not a CLIP4IDC state dict of the authors' code as expected "
                          f"({'stage 2' if aliases else 'stage 1'}): missing keys {missing[:5]}, unknown keys {unknown[:5]}")
     load_weights(model, {ours: torch.cat([sd[k] for k in theirs]) if isinstance(theirs, tuple) else sd[theirs]
-                         for ours, theirs in names.items()})
+                         for ours, theirs in names.items()}, name)
     return model
 
 
@@ -238,15 +251,17 @@ def count_blocks(sd, prefix):
     return 1 + max(indices)
 
 
-def load_weights(model, sd):
+def load_weights(model, sd, name="checkpoint"):
     """Copy `sd` into `model` key by key; any missing, unexpected or mis-shaped key is an error."""
+    if not isinstance(sd, dict):
+        raise InputError(f"{name}: expected a state dict of tensors, got {type(sd).__name__}")
     ours = model.state_dict()
     missing = sorted(ours.keys() - sd.keys())
     unexpected = sorted(sd.keys() - ours.keys())
     misshaped = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(ours[k].shape)}"
                  for k in ours.keys() & sd.keys() if sd[k].shape != ours[k].shape]
     if missing or unexpected or misshaped:
-        raise InputError(f"checkpoint does not match {type(model).__name__}: missing keys: {missing}; unexpected keys: "
+        raise InputError(f"{name} does not match {type(model).__name__}: missing keys: {missing}; unexpected keys: "
                          f"{unexpected}; mis-shaped keys: {sorted(misshaped)}")
     with torch.no_grad():
         for k, v in sd.items():
@@ -267,6 +282,7 @@ def download(url, root=CACHE_DIR):
     expected = url.rsplit("/", 2)[1]
     if target.is_file() and sha256(target) == expected:
         return target
+    made = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=target.name + ".", suffix=".part")
     try:
@@ -278,6 +294,8 @@ def download(url, root=CACHE_DIR):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+            if made:  # a failed first download leaves no empty cache folder either
+                root.rmdir()
     return target
 
 

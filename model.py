@@ -50,6 +50,8 @@ class Attention(nn.Module):
 
     def __init__(self, width, heads, dropout=0.0):
         super().__init__()
+        if heads < 1 or width % heads:
+            raise ValueError(f"heads {heads}: expected a divisor of the width {width}")
         self.heads, self.dropout = heads, dropout
         self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))  # initialised by the owning model
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))

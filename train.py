@@ -45,11 +45,12 @@ from model import distributed
 # The values a flag may take, both ends included (None: open); checked before anything is built.
 LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), "save_every": (1, None),
           "max_steps": (0, None), "patience": (0, None), "workers": (-1, None), "lr": (0, None), "lr_clip": (0, None),
-          "weight_decay": (0, None), "grad_clip": (0, None), "warmup": (0, 1), "beta2": (0, 1), "dropout": (0, 0.99),
+          "weight_decay": (0, None), "grad_clip": (0, None), "warmup": (0, 1), "beta2": (0, 0.9999), "dropout": (0, 0.99),
           "attn_dropout": (0, 0.99), "n_intra": (0, None), "n_inter": (0, None), "layers": (1, None),
-          "heads": (1, None), "ffn": (1, None), "max_len": (2, None)}
+          "heads": (1, None), "ffn": (1, None), "max_len": (2, None), "seed": (0, 2**32 - 1)}
 # What a resumed run may change: nothing that shapes the model, the optimiser or the data order.
-RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root")
+RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
+               "out_dir")
 # The CLIP parameters that the authors' scripts freeze in both stages (their --freeze_layer_num 0):
 # the image tower's patch, class and position embeddings and ln_pre, the text tower's embeddings.
 AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre.weight",
@@ -60,12 +61,15 @@ AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.posit
 # Flags, run folder, processes, device and precision
 # ---------------------------------------------------------------------------------------------
 def main(run, argv=None):
-    """Run a command line's `run(argv)`: bad input (InputError, a missing file) ends in one line on
-    stderr and exit status 2, as argparse does; any other failure keeps its traceback."""
+    """Run a command line's `run(argv)`: bad input (InputError, a missing file) or a failed download
+    ends in one line on stderr and exit status 2, as argparse does; any other failure keeps its traceback."""
     try:
         run(argv)
-    except (InputError, FileNotFoundError) as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+    except (InputError, FileNotFoundError, ConnectionError) as e:
+        message = str(e)
+        if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
+            message = message.splitlines()[-1].split(": ", 1)[-1]
+        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
         sys.exit(2)
     if distributed():  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
         barrier()
@@ -101,8 +105,9 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors
     cfg = dataclasses.replace(cfg, **{**presets, **given})
     for name, (low, high) in LIMITS.items():
         value = getattr(cfg, name, None)
-        if value is not None and not (low <= value and (high is None or value <= high)):
-            parser.error(f"--{name} {value}: expected a value {f'in [{low}, {high}]' if high is not None else f'>= {low}'}")
+        if value is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
+            kind = "value" if math.isfinite(value) else "finite value"
+            parser.error(f"--{name} {value}: expected a {kind} {f'in [{low}, {high}]' if high else f'>= {low}'}")
     cfg.data_root = cfg.data_root or f"data/{cfg.data}"
     cfg.out_dir = cfg.out_dir or f"out/{stage}-{cfg.data}"
     return cfg
@@ -127,16 +132,30 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
 RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")
 
 
+def check_writable(folder, flag):
+    """Refuse a folder that cannot be made or written before any work is done; nothing is created."""
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise InputError(f"{flag} {folder}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {folder}: {existing} is not writable")
+
+
 def check_run_folder(cfg):
     """--out_dir may hold an earlier run only with --resume (same settings) or --overwrite."""
     out = Path(cfg.out_dir)
+    check_writable(out, "--out_dir")
     earlier = [name for name in RUN_FILES if (out / name).exists()]
     if cfg.resume and cfg.overwrite:
         raise InputError("--resume continues the run in --out_dir and --overwrite starts it anew: give one")
     if cfg.resume and not (out / "last.pt").is_file():
         raise InputError(f"--resume: there is no {out / 'last.pt'} to resume from")
     if cfg.resume:
-        saved = torch.load(out / "last.pt", map_location="cpu", weights_only=True, mmap=True)["config"]  # no tensor read
+        saved = clip_weights.read_checkpoint(out / "last.pt", mmap=True)  # no tensor is read
+        if not (isinstance(saved, dict) and {"config", "state", "rng", "model", "optimizer"} <= saved.keys()):
+            raise InputError(f"--resume: {out / 'last.pt'} is not a last.pt of adapt.py or caption.py")
+        saved = saved["config"]
         changed = {k: (saved.get(k), v) for k, v in asdict(cfg).items() if k not in RESUME_FREE and saved.get(k) != v}
         if changed:
             raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
@@ -149,7 +168,9 @@ def check_run_folder(cfg):
 @contextmanager
 def locked(out):
     """Hold out/.lock while training (the system frees it too if the process dies), so a second run on
-    the same folder is refused rather than racing on the same files."""
+    the same folder is refused rather than racing on the same files. A folder it made is removed if the
+    run ends before writing anything into it."""
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:
         if fcntl:
@@ -161,6 +182,8 @@ def locked(out):
             yield
         finally:
             (out / ".lock").unlink(missing_ok=True)
+            if made and not any(out.iterdir()):
+                out.rmdir()
 
 
 def setup_device(cfg):
@@ -170,8 +193,10 @@ def setup_device(cfg):
         device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     except RuntimeError:
         raise InputError(f"--device {cfg.device}: expected auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {cfg.device}: no CUDA GPU is visible")
+    if device.type not in ("cpu", "cuda") or device.type == "cpu" and device.index:
+        raise InputError(f"--device {cfg.device}: expected auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not (device.index or 0) < torch.cuda.device_count():
+        raise InputError(f"--device {cfg.device}: {torch.cuda.device_count()} CUDA GPUs are visible")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -383,9 +408,9 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     autocast, scaler = mixed_precision(device, cfg.amp)
     steps_per_epoch = len(train_set) // cfg.batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_set)} training samples are fewer than one batch of {cfg.batch_size}")
+        raise InputError(f"--batch_size {cfg.batch_size}: expected at most the {len(train_set)} training samples")
     if cfg.batch_size % world():
-        raise ValueError(f"--batch_size {cfg.batch_size} does not split evenly over {world()} processes")
+        raise InputError(f"--batch_size {cfg.batch_size} does not split evenly over {world()} processes")
     total = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
     sampler = EpochSampler(len(train_set), cfg.seed, cfg.batch_size, rank(), world())
     loader = make_loader(train_set, cfg.batch_size // world(), device, cfg.workers, sampler, cfg.seed)
@@ -401,11 +426,18 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     net = torch.compile(net, mode="reduce-overhead" if graphs else None) if cfg.compile else net
     saved = dict(config=asdict(cfg), model_config=clip_weights.model_config(model))
 
+    replaced = [out / name for name in RUN_FILES if cfg.overwrite]  # kept until this run has something to save
+
+    def save(obj, name):
+        while replaced:
+            replaced.pop().unlink(missing_ok=True)
+        save_atomic(obj, out / name)
+
     def checkpoint():
         rngs = gather_objects(rng_state())  # every process's dropout stream
         if rank() == 0:
-            save_atomic(dict(**{k: v.state_dict() for k, v in run.items() if v is not None}, state=state, rng=rngs,
-                             **saved), out / "last.pt")
+            save(dict(**{k: v.state_dict() for k, v in run.items() if v is not None}, state=state, rng=rngs, **saved),
+                 "last.pt")
 
     def train_step(batch):
         if graphs:
@@ -425,7 +457,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
         if score > state["best"]:
             state["best"], state["best_epoch"] = score, epoch
             if rank() == 0:
-                save_atomic(dict(model=model.state_dict(), **saved), out / "best.pt")
+                save(dict(model=model.state_dict(), **saved), "best.pt")
         if patience and epoch - state["best_epoch"] >= patience:
             print(f"early stop: no better val score for {patience} epochs")
             state["stopped"] = True
@@ -433,8 +465,8 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
 
     with locked(out) if rank() == 0 else nullcontext():
         if rank() == 0:
-            for leftover in [*out.glob("*.tmp"), *(out / name for name in RUN_FILES if cfg.overwrite)]:
-                leftover.unlink(missing_ok=True)  # a killed write's, or the run --overwrite replaces
+            for leftover in out.glob("*.tmp"):
+                leftover.unlink()  # a killed write's
         barrier()
         if cfg.resume:
             state = resume(out / "last.pt", run)

@@ -3,6 +3,8 @@ one line naming the flag, file or id and what was expected (exit status 2, no tr
 nothing on disk changes; or it is handled as the user meant it."""
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -98,7 +100,14 @@ def test_a_second_run_on_a_folder_in_use_is_refused(root, tmp_path, capsys):
     (["--log_every", "0"], "--log_every 0: expected a value >= 1"),
     (["--epochs", "0"], "--epochs 0: expected a value >= 1"),
     (["--warmup", "1.5"], "--warmup 1.5: expected a value in [0, 1]"),
+    (["--lr", "inf"], "--lr inf: expected a finite value >= 0"),
+    (["--beta2", "1"], "--beta2 1.0: expected a value in [0, 0.9999]"),  # AdamW's second moment would never move
+    (["--seed", "-1"], "--seed -1: expected a value in [0, 4294967295]"),
     (["--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
+    (["--device", "cpu:3"], "--device cpu:3: expected auto, cpu, cuda or cuda:N"),
+    (["--device", "meta"], "--device meta: expected auto, cpu, cuda or cuda:N"),
+    (["--device", "cuda:99"], "--device cuda:99: "),
+    (["--out_dir", "a_file/run"], "a_file is a file, not a folder"),
     (["--data", "clevr"], "data/clevr: no such folder (--data_root); expected CLEVR-Change's layout"),
     (["--data", "clevr", "--data_root", "nowhere"], "nowhere: no such folder (--data_root); expected CLEVR-Change's"),
     (["--resume", "--overwrite"], "--resume continues the run in --out_dir and --overwrite starts it anew: give one"),
@@ -106,8 +115,35 @@ def test_a_second_run_on_a_folder_in_use_is_refused(root, tmp_path, capsys):
 def test_flags_are_checked_before_anything_is_built(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)  # data/ and out/ are relative to here
     monkeypatch.setattr(clip_weights, "load", lambda *a, **k: pytest.fail("downloaded or loaded CLIP"))
+    (tmp_path / "a_file").write_text("not a folder")
     assert message in error_of(capsys, adapt.main, *flags)
-    assert list(tmp_path.iterdir()) == []  # no data generated, no run folder
+    assert list(tmp_path.iterdir()) == [tmp_path / "a_file"]  # no data generated, no run folder
+
+
+def test_an_out_dir_that_cannot_be_written_is_refused_before_any_work(root, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only disk, as root meets it too
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "run")
+    assert error.endswith(f"--out_dir {tmp_path / 'run'}: {tmp_path} is not writable")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_1, tmp_path, capsys):
+    assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
+                    stage_1 / "best.pt", "--heads", 3).endswith("heads 3: expected a divisor of the width 64")
+    assert error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "a", "--batch_size",
+                    1000).endswith("--batch_size 1000: expected at most the 120 training samples")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_download_is_one_line(root, tmp_path, capsys, monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("cannot download https://x/ViT-B-32.pt (no route). No network? Download the file ...")
+
+    monkeypatch.setattr(clip_weights, "download", offline)
+    error = error_of(capsys, adapt.main, "--data_root", root, "--out_dir", tmp_path / "a", "--preset", "vit-b/32",
+                     "--init", "openai")
+    assert error.endswith("cannot download https://x/ViT-B-32.pt (no route). No network? Download the file ...")
+    assert not (tmp_path / "a").exists()
 
 
 def test_help_describes_every_flag_and_what_synth_changes(capsys):
@@ -140,6 +176,31 @@ def test_resume_refuses_changed_settings(root, stage_1, capsys, flags, changed):
     assert f"--resume: {stage_1 / 'last.pt'} was trained with other settings, (saved, now): " in error
     assert changed in error
     assert snapshot(stage_1) == before
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda last, best: last.write_bytes(last.read_bytes()[:100_000]), "cannot read it as a checkpoint"),
+    (lambda last, best: last.write_text("not a checkpoint"), "cannot read it as a checkpoint"),
+    (lambda last, best: last.write_bytes(b""), "cannot read it as a checkpoint"),
+    (lambda last, best: torch.save({"config": {}}, last), "is not a last.pt of adapt.py or caption.py"),
+    (lambda last, best: last.write_bytes(best.read_bytes()), "is not a last.pt of adapt.py or caption.py"),
+])
+def test_resume_from_a_damaged_last_pt_is_refused(root, stage_1, tmp_path, capsys, damage, message):
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("last.pt", "best.pt"):
+        (out / name).write_bytes((stage_1 / name).read_bytes())
+    damage(out / "last.pt", out / "best.pt")
+    before = snapshot(out)
+    assert message in error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out, "--resume")
+    assert snapshot(out) == before
+
+
+def test_resume_accepts_another_spelling_of_the_same_folder(root, stage_1, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(stage_1.parent)
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", f"{stage_1}/", "--resume",
+                     "--batch_size", 8)
+    assert "'batch_size': (16, 8)" in error and "out_dir" not in error.split("(saved, now)")[1]
 
 
 def test_resume_without_a_run_says_so(root, tmp_path, capsys):
@@ -213,6 +274,16 @@ def test_sixteen_bit_and_float_images_keep_their_values(tmp_path):
         assert pixels.shape == (3, 4, 4) and (pixels.int() - value).abs().max() <= 1, name
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_unreadable_training_image_is_one_line_and_leaves_no_run_folder(root, tmp_path, capsys, workers):
+    shutil.copytree(root, tmp_path / "synth")
+    image = tmp_path / "synth" / "images" / "CLEVR_default_000000.png"  # a training pair's
+    image.write_bytes(image.read_bytes()[:200])
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", tmp_path / "synth", "--out_dir", tmp_path / "run",
+                     "--no-cache", "--workers", workers, "--max_steps", 0)
+    assert error.startswith(f"__main__.py: error: {image}: cannot read image") and not (tmp_path / "run").exists()
+
+
 def test_a_decompression_bomb_is_an_unreadable_image(tmp_path, monkeypatch):
     Image.new("RGB", (64, 64)).save(tmp_path / "big.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 64 * 64 // 4)  # twice that and more: Pillow refuses
@@ -241,6 +312,31 @@ def test_a_caption_length_beyond_the_encoders_text_positions_is_refused(root, st
     assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
                     stage_1 / "best.pt", "--max_len", 34).endswith("max_len 34: expected at most 33, CLIP's 32 text positions + 1")
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda ckpt: ckpt.update(model_config={}), "its model_config describes no model of ours (KeyError: 'encoder')"),
+    (lambda ckpt: ckpt.update(model_config="hello"), "its model_config describes no model of ours (TypeError"),
+    (lambda ckpt: ckpt["model"].pop("e1"), "does not match CLIP4IDC: missing keys: ['e1']"),
+    (lambda ckpt: ckpt["model_config"]["encoder"]["clip"].update(vision_width=32), "does not match CLIP4IDC: "),
+])
+def test_a_checkpoint_of_ours_with_bad_content_is_named(root, stage_1, tmp_path, capsys, edit, message):
+    ckpt = torch.load(stage_1 / "best.pt", weights_only=True)
+    edit(ckpt)
+    torch.save(ckpt, tmp_path / "bad.pt")
+    error = error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
+                     tmp_path / "bad.pt")
+    assert f"{tmp_path / 'bad.pt'}" in error and message in error
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_clip_file_that_is_not_clip_is_named(root, tmp_path, capsys):
+    torch.save({"w": torch.zeros(2)}, tmp_path / "foreign.pt")
+    error = error_of(capsys, adapt.main, "--data_root", root, "--out_dir", tmp_path / "a", "--preset", "vit-b/32",
+                     "--init", "openai", "--clip", tmp_path / "foreign.pt")
+    assert error.endswith(f"{tmp_path / 'foreign.pt'}: not a CLIP ViT checkpoint: missing keys ['visual.conv1.weight', "
+                          "'visual.positional_embedding', 'visual.proj', 'positional_embedding', 'token_embedding.weight', "
+                          "'ln_final.weight', 'text_projection']")
 
 
 @pytest.mark.parametrize("content, message", [

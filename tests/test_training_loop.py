@@ -88,6 +88,19 @@ def test_a_run_killed_while_validating_its_last_step_validates_on_resume(tmp_pat
     assert [h["step"] for h in state["history"]] == [4] and (tmp_path / "best.pt").exists()
 
 
+def test_overwrite_keeps_the_earlier_run_until_the_new_one_saves(tmp_path):
+    run(config(tmp_path), tiny_pair_encoder)
+    earlier = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(earlier) == ["best.pt", "last.pt"]
+    with pytest.raises(KeyboardInterrupt):
+        run(config(tmp_path, overwrite=True), tiny_pair_encoder, kill_at=1)  # fails before it has saved anything
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == earlier
+    with pytest.raises(KeyboardInterrupt):
+        run(config(tmp_path, overwrite=True), tiny_pair_encoder, kill_at=6)  # saved at step 4
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # the earlier best.pt is gone with its run
+    assert torch.load(tmp_path / "last.pt", weights_only=False)["state"]["step"] == 4
+
+
 @pytest.mark.parametrize("grad_clip, clipped", [(0.0, False), (1e9, False), (1e-3, True)])
 def test_grad_clip_0_turns_clipping_off(grad_clip, clipped):
     torch.manual_seed(0)
