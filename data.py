@@ -159,7 +159,7 @@ def missing(dataset, path, what="not found"):
 
 
 def read_json(dataset, *candidates, keys=()):
-    """(JSON, path) of the first existing candidate file; with `keys`, a list of objects that must have them."""
+    """(JSON, path) of the first existing candidate file: with `keys`, a list of objects having them, else an object."""
     path = next((p for p in candidates if p.is_file()), candidates[0])
     if not path.is_file():
         raise missing(dataset, path)
@@ -168,17 +168,31 @@ def read_json(dataset, *candidates, keys=()):
     except json.JSONDecodeError as e:
         where = f"line {e.lineno} column {e.colno} (char {e.pos})"
         raise InputError(f"{path}: malformed JSON at {where}: {e.msg}") from None
-    if keys:
-        for n, entry in enumerate(content if isinstance(content, list) else [None]):
-            if not (isinstance(entry, dict) and all(k in entry for k in keys)):
-                raise InputError(f"{path}: entry {n} is not an object with keys {', '.join(keys)}")
+    except UnicodeDecodeError as e:  # another encoding (UTF-16, Latin-1) or damaged bytes
+        raise InputError(f"{path}: byte {e.start} is not UTF-8 ({e.reason}); expected JSON in UTF-8") from None
+    expected = f"a list of objects with keys {', '.join(keys)}" if keys else "a JSON object"
+    if not isinstance(content, list if keys else dict):
+        raise InputError(f"{path}: top level is a {type(content).__name__}; expected {expected}")
+    for n, entry in enumerate(content if keys else []):
+        if not (isinstance(entry, dict) and all(k in entry for k in keys)):
+            raise InputError(f"{path}: entry {n} is not an object with keys {', '.join(keys)}")
     return content, path
 
 
+def strings(value):
+    return isinstance(value, list) and all(isinstance(s, str) for s in value)
+
+
 def caption_list(value, path, where):
-    """`value` if it is a non-empty list of caption strings: a bare string would become one caption a letter."""
-    if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+    """`value` if it is a non-empty list of caption strings: a bare string would become one caption a letter.
+    A lone surrogate ("\\ud800" is valid JSON) is refused here, not when the tokenizer meets it while scoring."""
+    if not (value and strings(value)):
         raise InputError(f"{path}: {where}: expected a non-empty list of caption strings, got {json.dumps(value):.80}")
+    try:
+        "".join(value).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{path}: {where}: a caption holds the lone surrogate {json.dumps(e.object[e.start])}; "
+                         "expected text that UTF-8 can encode") from None
     return value
 
 
@@ -190,10 +204,14 @@ def read_clevr(root, split):
     splits, path = read_json("clevr", root / "splits.json")
     if split not in splits:
         raise InputError(f"{path}: no split {split!r} (it has {', '.join(splits)})")
-    if not all(isinstance(i, int) for i in splits[split]):
+    if not (isinstance(splits[split], list) and all(isinstance(i, int) for i in splits[split])):
         raise InputError(f"{path}: split {split!r}: expected a list of integer image ids")
-    (change, change_path), (no_change, no_change_path), (types, _) = (
+    (change, change_path), (no_change, no_change_path), (types, types_path) = (
         read_json("clevr", root / f"{name}.json") for name in ("change_captions", "no_change_captions", "type_mapping"))
+    for kind, names in types.items():
+        if not strings(names):
+            raise InputError(f"{types_path}: {kind!r}: expected a list of image names such as \"000001.png\", "
+                             f"got {json.dumps(names):.80}")
     type_of = {name: kind for kind, names in types.items() for name in names}
     pairs, uncaptioned = [], []
     for i in splits[split]:
@@ -225,7 +243,13 @@ def read_ier(root, split):
     split = {"val": "valid"}.get(split, split)
     entries, path = read_json("ier", root / f"{split}.json", root / "dataset" / "adobe" / f"{split}.json",
                               keys=("img0", "img1", "sents", "uid"))
-    return [Pair(e["uid"], root / "images" / e["img0"], root / "images" / e["img1"],
+    for n, e in enumerate(entries):  # ids become file names and json keys; images are names in images/
+        if isinstance(e["uid"], bool) or not isinstance(e["uid"], (str, int)):
+            raise InputError(f"{path}: entry {n}: uid {json.dumps(e['uid']):.80}; expected a string or an integer")
+        if not all(isinstance(e[k], str) for k in ("img0", "img1")):
+            raise InputError(f"{path}: entry {n} (uid {e['uid']!r}): img0 {json.dumps(e['img0']):.80}, img1 "
+                             f"{json.dumps(e['img1']):.80}; expected image file names")
+    return [Pair(str(e["uid"]), root / "images" / e["img0"], root / "images" / e["img1"],
                  caption_list(e["sents"], path, f"entry {n} (uid {e['uid']!r})")) for n, e in enumerate(entries)]
 
 
@@ -242,6 +266,8 @@ def read_split(dataset, root, split):
     if repeated:
         raise InputError(f"{root} {split}: ids {repeated[:5]} name more than one pair; each pair needs its own id")
     pairs = without_blank_captions(pairs, f"{root} {split}")
+    if not pairs:  # an empty split would hang METEOR's java process or fail deep in the model
+        raise InputError(f"{root} {split}: no pairs; each split needs at least one")
     lacking = [(p.id, q) for p in pairs for q in (p.before, p.after, p.distractor) if q and not q.is_file()]
     if lacking:
         ids = list(dict.fromkeys(i for i, _ in lacking))
@@ -323,14 +349,16 @@ class ImageStore:
     `read_pixels`. Decoding and resizing a PNG costs ~30x more than reading stored pixels (see
     bench.py), and pages come from disk as they are read, so memory use does not grow with the
     dataset. The index beside it (`.json`) records each file's size and modification time: another
-    image list, size, or a replaced file rebuilds the store."""
+    image list, size, or a replaced file rebuilds the store, as do an unreadable index and a store file
+    of another length (a copy cut short, a full disk)."""
 
     def __init__(self, pairs, size, folder):
         files = sorted({os.path.abspath(q) for p in pairs for q in (p.before, p.after, p.distractor) if q})
         self.path, self.size, self.pixels = Path(folder) / f"store_{size}px.u8", size, None
         self.row = {f: i for i, f in enumerate(files)}
         index, index_path = {"size": size, "files": [[f, *stamp(f)] for f in files]}, self.path.with_suffix(".json")
-        if not (index_path.is_file() and self.path.is_file() and json.loads(index_path.read_text()) == index):
+        whole = self.path.is_file() and self.path.stat().st_size == len(files) * 3 * size * size
+        if not (whole and read_index(index_path) == index):
             index_path.unlink(missing_ok=True)  # the index goes last: it vouches for the pixels
             build_store(self.path, files, size)
             index_path.with_suffix(f".{os.getpid()}.tmp").write_text(json.dumps(index))
@@ -344,6 +372,14 @@ class ImageStore:
         return torch.from_numpy(np.array(self.pixels[self.row[os.path.abspath(path)]]))
 
 
+def read_index(path):
+    """The store's index, or None where it is missing or is not JSON: the store is rebuilt then."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+
+
 def stamp(path):
     info = os.stat(path)
     return info.st_size, info.st_mtime_ns
@@ -353,17 +389,20 @@ def build_store(path, files, size):
     """Decode and resize `files` on every core into the uint8 file `path`, written whole or not at all."""
     tmp, start = Path(f"{path}.{os.getpid()}.tmp"), time.time()  # two runs may build at once: last one wins
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    pixels = np.memmap(tmp, np.uint8, "w+", shape=(len(files), 3, size, size))
-    with multiprocessing.Pool(min(os.cpu_count() or 1, 1 + len(files) // 64)) as pool:
-        for i, image in enumerate(pool.imap(functools.partial(read_array, size=size), files, chunksize=16), 1):
-            pixels[i - 1] = image
-            if i % 2000 == 0 or i == len(files):
-                rate = i / (time.time() - start)
-                log.info("image store %s: %d/%d images, %.0f/s, eta %s", path, i, len(files), rate,
-                         format_eta((len(files) - i) / rate))
-    pixels.flush()
-    del pixels
-    os.replace(tmp, path)
+    try:
+        pixels = np.memmap(tmp, np.uint8, "w+", shape=(len(files), 3, size, size))
+        with multiprocessing.Pool(min(os.cpu_count() or 1, 1 + len(files) // 64)) as pool:
+            for i, image in enumerate(pool.imap(functools.partial(read_array, size=size), files, chunksize=16), 1):
+                pixels[i - 1] = image
+                if i % 2000 == 0 or i == len(files):
+                    rate = i / (time.time() - start)
+                    log.info("image store %s: %d/%d images, %.0f/s, eta %s", path, i, len(files), rate,
+                             format_eta((len(files) - i) / rate))
+        pixels.flush()
+        del pixels
+        os.replace(tmp, path)
+    finally:  # a failed build (an unreadable image, Ctrl-C) leaves no half file: tens of GB at full scale
+        tmp.unlink(missing_ok=True)
 
 
 def sample_rng(seed, epoch, index):

@@ -201,3 +201,87 @@ def test_ier_missing_split_json(tmp_path):
 def test_unknown_dataset_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown dataset 'coco'"):
         data.read_split("coco", tmp_path, "train")
+
+
+# ---------------------------------------------------------------------------------------------
+# malformed files: one InputError naming the file and what was expected
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, content, message", [
+    ("splits", [1, 2, 3], "splits.json: top level is a list; expected a JSON object"),
+    ("splits", {"train": 3}, "splits.json: split 'train': expected a list of integer image ids"),
+    ("change_captions", [["change 1 a"]], "change_captions.json: top level is a list; expected a JSON object"),
+    ("type_mapping", ["000001.png"], "type_mapping.json: top level is a list; expected a JSON object"),
+    ("type_mapping", {"color": 1}, "type_mapping.json: 'color': expected a list of image names such as "
+                                   "\"000001.png\", got 1"),
+    ("type_mapping", {"color": "000001.png"}, "type_mapping.json: 'color': expected a list of image names"),
+])
+def test_clevr_json_of_the_wrong_shape_is_named(tmp_path, name, content, message):
+    write_clevr(tmp_path)
+    (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    with pytest.raises(data.InputError) as e:
+        data.read_split("clevr", tmp_path, "train")
+    assert str(e.value).startswith(f"{tmp_path / name}.json: ") and message in str(e.value)
+
+
+def test_spot_json_of_the_wrong_shape_is_named(tmp_path):
+    write_spot(tmp_path)
+    (tmp_path / "annotations" / "val.json").write_text(json.dumps({"img_id": "9", "sentences": ["z"]}))
+    with pytest.raises(data.InputError, match="val.json: top level is a dict; expected a list of objects with keys "
+                                              "img_id, sentences"):
+        data.read_split("spot", tmp_path, "val")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"train": [1], "val": "caf\xe9"}', r"byte 26 is not UTF-8 \(invalid continuation byte\); expected JSON in UTF-8"),
+    ('{"train": [1]}'.encode("utf-16"), r"byte 0 is not UTF-8 \(invalid start byte\); expected JSON in UTF-8"),
+])
+def test_json_not_in_utf8_is_named(tmp_path, content, message):
+    write_clevr(tmp_path)
+    (tmp_path / "splits.json").write_bytes(content)
+    with pytest.raises(data.InputError, match=f"{tmp_path / 'splits.json'}: {message}"):
+        data.read_split("clevr", tmp_path, "train")
+
+
+def test_a_lone_surrogate_in_a_caption_is_named_with_file_and_id(tmp_path):
+    write_clevr(tmp_path)
+    change = json.loads((tmp_path / "change_captions.json").read_text())
+    change["CLEVR_default_000002.png"][1] = "the cube \ud800 moved"
+    (tmp_path / "change_captions.json").write_text(json.dumps(change))  # valid JSON: "\ud800" is escaped
+    with pytest.raises(data.InputError, match=r"change_captions.json: CLEVR_default_000002.png: a caption holds the "
+                                              r'lone surrogate "\\ud800"; expected text that UTF-8 can encode'):
+        data.read_split("clevr", tmp_path, "train")
+
+
+def test_ier_uids_and_image_names_of_other_types(tmp_path):
+    write_ier(tmp_path)
+    path = tmp_path / "dataset" / "adobe" / "test.json"
+    entries = json.loads(path.read_text())
+    entries[0]["uid"], entries[1]["uid"], entries[1]["img1"] = 5, 6, "gone.png"
+    path.write_text(json.dumps(entries))
+    assert [p.id for p in data.read_split("ier", tmp_path, "val")] == ["Reddit_3"]
+    with pytest.raises(FileNotFoundError, match=r"gone.png: not found, and 1 of 2 test pairs lack image files \(ids 6\)"):
+        data.read_split("ier", tmp_path, "test")  # an integer uid names its pair as a string
+    entries[1]["img1"] = "d.gif"
+    path.write_text(json.dumps(entries))
+    assert [p.id for p in data.read_split("ier", tmp_path, "test")] == ["5", "6"]
+    entries[1]["uid"] = ["Reddit", 2]
+    path.write_text(json.dumps(entries))
+    with pytest.raises(data.InputError, match=r'test.json: entry 1: uid \["Reddit", 2\]; expected a string or an integer'):
+        data.read_split("ier", tmp_path, "test")
+    entries[1]["uid"], entries[1]["img0"] = "Reddit_2", 3
+    path.write_text(json.dumps(entries))
+    with pytest.raises(data.InputError, match=r"test.json: entry 1 \(uid 'Reddit_2'\): img0 3, img1 \"d.gif\"; "
+                                              "expected image file names"):
+        data.read_split("ier", tmp_path, "test")
+
+
+def test_an_empty_split_is_refused(tmp_path, caplog):
+    write_clevr(tmp_path)
+    with pytest.raises(data.InputError, match=f"^{tmp_path} test: no pairs; each split needs at least one$"):
+        data.read_split("clevr", tmp_path, "test")
+    write_spot(tmp_path / "spot")
+    with pytest.raises(data.InputError, match=f"^{tmp_path / 'spot'} test: no pairs; each split needs at least one$"):
+        data.read_split("spot", tmp_path / "spot", "test")
+    (tmp_path / "spot" / "annotations" / "val.json").write_text(json.dumps([{"img_id": "9", "sentences": ["..."]}]))
+    with pytest.raises(data.InputError, match="val: no pairs; each split needs at least one"):
+        data.read_split("spot", tmp_path / "spot", "val")  # no pair is left with a worded caption

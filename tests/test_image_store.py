@@ -1,0 +1,44 @@
+"""The image store when its build fails or its files are damaged: no temporary file is left behind,
+and a store cut short or an index that cannot be read is rebuilt, not an error."""
+import pytest
+import torch
+
+import data
+from test_data_readers import write_clevr
+
+
+def images(pairs):
+    return [q for p in pairs for q in (p.before, p.after, p.distractor)]
+
+
+def serves_the_files(store, pairs):
+    return all(torch.equal(store(q, 16), data.read_pixels(q, 16)) for q in images(pairs))
+
+
+def test_a_failed_build_leaves_no_temporary_file(tmp_path):
+    write_clevr(tmp_path / "d")
+    pairs = data.read_split("clevr", tmp_path / "d", "train")
+    bad = pairs[1].after
+    bad.write_bytes(bad.read_bytes()[:40])  # a truncated PNG
+    (tmp_path / "s").mkdir()
+    with pytest.raises(data.InputError, match=f"^{bad}: cannot read image"):
+        data.ImageStore(pairs, 16, tmp_path / "s")
+    assert list((tmp_path / "s").iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated store", "store too long", "index not JSON", "index not UTF-8"])
+def test_a_damaged_store_is_rebuilt(tmp_path, damage):
+    write_clevr(tmp_path / "d")
+    pairs = data.read_split("clevr", tmp_path / "d", "train")
+    data.ImageStore(pairs, 16, tmp_path / "s")
+    store, index = tmp_path / "s" / "store_16px.u8", tmp_path / "s" / "store_16px.json"
+    whole = store.read_bytes()
+    if damage == "truncated store":
+        store.write_bytes(whole[:len(whole) // 2])  # a copy cut short
+    elif damage == "store too long":
+        store.write_bytes(whole + bytes(100))
+    else:
+        index.write_bytes(b'{"size": 16, "files": [' if damage == "index not JSON" else b"\xff\xfe{}")
+    rebuilt = data.ImageStore(pairs, 16, tmp_path / "s")
+    assert store.read_bytes() == whole and serves_the_files(rebuilt, pairs)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["store_16px.json", "store_16px.u8"]
