@@ -164,13 +164,17 @@ def require_java():
                            "default-jre-headless` (Debian/Ubuntu) or `conda install openjdk`.")
 
 
+def id_mismatch(refs, preds):
+    """How the ids of preds differ from those of refs, or "" where they match."""
+    missing, extra = refs.keys() - preds.keys(), preds.keys() - refs.keys()
+    return (f"{len(missing)} without a prediction (e.g. {sorted(map(str, missing))[:5]}), {len(extra)} "
+            f"without references (e.g. {sorted(map(str, extra))[:5]})" if missing or extra else "")
+
+
 def check_ids(refs, preds):
     """Scores are only comparable over the full split, so every reference needs a prediction."""
-    missing, extra = refs.keys() - preds.keys(), preds.keys() - refs.keys()
-    if missing or extra:
-        raise ValueError(f"prediction ids do not match the reference ids: {len(missing)} without a "
-                         f"prediction (e.g. {sorted(map(str, missing))[:5]}), {len(extra)} without "
-                         f"references (e.g. {sorted(map(str, extra))[:5]})")
+    if mismatch := id_mismatch(refs, preds):
+        raise ValueError(f"prediction ids do not match the reference ids: {mismatch}")
     empty = [k for k, captions in refs.items() if not captions]
     if empty:
         raise ValueError(f"ids without reference captions: {sorted(map(str, empty))[:5]}")
@@ -264,11 +268,19 @@ def write_predictions(path, preds):
     Path(path).write_text(json.dumps(results, indent=1))
 
 
+def read_text(path, expected):
+    """The text of a file the user named (a byte-order mark is fine); a folder or binary file is named."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not a text file ({e}); expected {expected}") from None
+
+
 def read_predictions(path):
     """{image_id: caption} of a COCO results file; what is not one is named with its first bad entry."""
     try:
-        results = json.loads(Path(path).read_text(encoding="utf-8-sig"))  # a byte-order mark is fine
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        results = json.loads(read_text(path, "a COCO results json"))
+    except json.JSONDecodeError as e:
         raise InputError(f"{path}: not a JSON file ({e})") from None
     if not isinstance(results, list):
         raise InputError(f'{path}: expected a list of {{"image_id", "caption"}} objects, not a {type(results).__name__}')
@@ -326,7 +338,11 @@ def score_checkpoint(args, device):
 
 def score_predictions(args):
     items = data.eval_items(data.read_split(args.data, args.data_root, args.split))
-    metrics = score_items(items, read_predictions(args.predictions))
+    preds = read_predictions(args.predictions)
+    if mismatch := id_mismatch({item.id: item.captions for item in items}, preds):
+        raise InputError(f"{args.predictions}: its ids are not those of the {args.split} split of {args.data_root}: "
+                         f"{mismatch}; expected one caption for each of its {len(items)} ids")
+    metrics = score_items(items, preds)
     print(f"{args.data} {args.split}: {len(items)} image pairs\n{format_table(metrics)}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -337,12 +353,14 @@ def read_pair_list(path):
     """The (before, after) image paths of each non-empty line of a text file: two paths separated by
     a tab (paths with spaces) or by spaces."""
     pairs = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
+    for n, line in enumerate(read_text(path, "two image paths a line").splitlines(), 1):
         if line.strip():
             fields = line.strip().split("\t") if "\t" in line else line.split()
             if len(fields) != 2:
                 raise InputError(f"{path}: line {n}: expected two image paths (before, after), found {len(fields)}")
             pairs.append(tuple(Path(path).parent / f for f in fields))  # relative paths: from the file's folder
+    if not pairs:
+        raise InputError(f"{path}: no pairs; expected two image paths (before, after) a line")
     absent = [q for pair in pairs for q in pair if not q.is_file()]
     if absent:
         raise InputError(f"{path}: {len(absent)} images not found, e.g. {absent[0]}")
@@ -356,6 +374,7 @@ def caption_pairs(captioner, args, device):
     preds = predict(captioner, items, device, workers=0, progress=True)
     lines = [json.dumps({"before": str(p.before), "after": str(p.after), "caption": preds[p.id]}) for p in items]
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")
         print(f"wrote {len(lines)} captions to {args.out}")
     else:
@@ -371,6 +390,18 @@ def caption_one_pair(captioner, args):
         print(f"wrote {args.attention}")
 
 
+def check_outputs(args):
+    """Before any scoring: refuse to replace an earlier result unless told to, or to score what cannot
+    then be written. Nothing is created."""
+    outputs = [("--out", args.out), ("--attention", args.attention)]
+    if args.out_dir:  # a stage-1 checkpoint writes only metrics.json, but its stage is not known yet
+        outputs += [("--out_dir", Path(args.out_dir) / f) for f in ("metrics.json", f"{args.split}_predictions.json")]
+    for flag, path in ((flag, Path(p)) for flag, p in outputs if p):
+        if path.exists() and not args.overwrite:
+            raise InputError(f"{path} exists: pass --overwrite to replace it, or another {flag}")
+        train.check_writable(path.parent, flag)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--predictions", help='score this COCO results json: [{"image_id", "caption"}, ...]')
@@ -384,6 +415,7 @@ def main(argv=None):
     parser.add_argument("--pairs", metavar="TXT", help="with --ckpt: caption the two image paths of each line")
     parser.add_argument("--out", help="write here the metrics json (--predictions) or the captions (--pairs)")
     parser.add_argument("--out_dir", help="with --ckpt --data_root: write metrics.json and <split>_predictions.json here")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing --out, --out_dir or --attention files")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--n_intra", type=int, default=9, help="with an authors' --ckpt: layers that see one image (default: 9)")
     parser.add_argument("--heads", type=int, default=8, help="with an authors' stage-2 --ckpt: the captioner's heads (default: 8)")
@@ -403,6 +435,7 @@ def main(argv=None):
     for out in (args.out, args.out_dir and Path(args.out_dir) / "metrics.json"):
         if out and Path(out).is_dir():
             parser.error(f"{out} is a folder: --out names the file to write")
+    check_outputs(args)
     if args.predictions:
         return score_predictions(args)
     device = train.setup_device(args)

@@ -1,12 +1,17 @@
 """`python evaluate.py --predictions ...` on a tiny folder in CLEVR-Change's layout: references come
-from data.py's readers, the json holds the paper's metrics and the per-type CIDEr of Table 2."""
+from data.py's readers, the json holds the paper's metrics and the per-type CIDEr of Table 2. Bad
+input and outputs that exist or cannot be written are refused in one line, before any scoring."""
 import json
+import os
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
 import data
 import evaluate
+import train
+from test_caption_own_pair import save_checkpoint, tiny_captioner, write_pair
 
 OBJECTS = ["red cube", "blue sphere", "green cylinder"]
 TEMPLATES = {"color": "the {} changed its color", "material": "the {} changed its material",
@@ -62,3 +67,126 @@ def test_duplicate_predictions_are_rejected(tmp_path):
     path.write_text(json.dumps([{"image_id": "000001.png", "caption": c} for c in ("a", "b")]))
     with pytest.raises(ValueError, match="more than one caption for image_id '000001.png'"):
         evaluate.read_predictions(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals: one line, exit status 2, nothing scored and nothing on disk changed
+# ---------------------------------------------------------------------------------------------
+def error_of(capsys, *argv):
+    """The one stderr line, less its "prog: error: " head, of `python evaluate.py argv`, which must be
+    refused before anything is scored or printed."""
+    with pytest.raises(SystemExit) as exit:
+        train.main(evaluate.main, [str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
+    return err.strip().split(": error: ", 1)[1]
+
+
+def snapshot(folder):
+    """Every file below `folder` with its bytes: what "nothing on disk changes" compares."""
+    return {p: p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data") / "clevr"
+    write_clevr_change(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny stage-2 checkpoint that really captions, so that a refusal after scoring would show."""
+    path = tmp_path_factory.mktemp("ckpt") / "best.pt"
+    save_checkpoint(tiny_captioner(), path)
+    return path
+
+
+@pytest.fixture
+def right_captions(root):
+    return {i.id: i.captions[0] for i in data.eval_items(data.read_split("clevr", root, "test"))}
+
+
+@pytest.fixture
+def preds(tmp_path, right_captions):
+    evaluate.write_predictions(tmp_path / "preds.json", right_captions)
+    return tmp_path / "preds.json"
+
+
+@pytest.mark.parametrize("flag", ["--out_dir", "--out", "--attention"])
+def test_an_earlier_result_is_kept_unless_overwritten(flag, root, ckpt, preds, tmp_path, capsys):
+    run = tmp_path / "run"  # a finished caption.py run: its test metrics must survive a val evaluation
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps({"test": {}, "blind_baseline": {}}))
+    (tmp_path / "m.json").write_text("earlier")
+    (tmp_path / "att.png").write_bytes(b"earlier")
+    before, after = write_pair(tmp_path)
+    clevr = ["--data", "clevr", "--data_root", root]
+    path, argv = {"--out_dir": (run / "metrics.json", ["--ckpt", ckpt, *clevr, "--split", "val", "--out_dir", run]),
+                  "--out": (tmp_path / "m.json", ["--predictions", preds, *clevr, "--out", tmp_path / "m.json"]),
+                  "--attention": (tmp_path / "att.png", ["--ckpt", ckpt, "--pair", before, after, "--attention",
+                                                         tmp_path / "att.png"])}[flag]
+    earlier = snapshot(tmp_path)
+    assert error_of(capsys, *argv) == f"{path} exists: pass --overwrite to replace it, or another {flag}"
+    assert snapshot(tmp_path) == earlier
+    if flag == "--out":
+        evaluate.main([str(a) for a in argv + ["--overwrite"]])
+        assert list(json.loads(path.read_text())) == ["test"]
+
+
+@pytest.mark.parametrize("flag", ["--out", "--out_dir", "read-only"])
+def test_an_output_that_cannot_be_written_is_refused_before_scoring(flag, root, ckpt, preds, tmp_path, capsys,
+                                                                    monkeypatch):
+    afile, read_only = tmp_path / "afile", tmp_path / "read_only"
+    afile.write_text("a file")
+    read_only.mkdir()
+    # Tests may run as root, who may write anywhere: os.access says here what it says of a read-only mount.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != read_only and real_access(p, mode))
+    clevr = ["--data", "clevr", "--data_root", root]
+    argv, expected = {
+        "--out": (["--predictions", preds, *clevr, "--out", afile / "m.json"], f"--out {afile}: {afile} is a file, "
+                  "not a folder"),
+        "--out_dir": (["--ckpt", ckpt, *clevr, "--out_dir", afile], f"--out_dir {afile}: {afile} is a file, not a folder"),
+        "read-only": (["--predictions", preds, *clevr, "--out", read_only / "new" / "m.json"],
+                      f"--out {read_only / 'new'}: {read_only} is not writable")}[flag]
+    earlier = snapshot(tmp_path)
+    assert error_of(capsys, *argv) == expected
+    assert snapshot(tmp_path) == earlier and not (read_only / "new").exists()
+
+
+FIRST_TEST_IDS = "['000000.png', '000000.png_n', '000001.png', '000001.png_n', '000002.png']"
+
+
+@pytest.mark.parametrize("case, detail", [
+    ("one missing", "1 without a prediction (e.g. ['000000.png']), 0 without references (e.g. [])"),
+    ("one extra", "0 without a prediction (e.g. []), 1 without references (e.g. ['999999.png'])"),
+    ("integer ids", f"30 without a prediction (e.g. {FIRST_TEST_IDS}), 30 without references "
+                    "(e.g. ['0', '1', '10', '11', '12'])"),
+    ("none", f"30 without a prediction (e.g. {FIRST_TEST_IDS}), 0 without references (e.g. [])"),
+    ("val split", "2 without a prediction (e.g. ['000016.png', '000016.png_n']), 30 without references "
+                  f"(e.g. {FIRST_TEST_IDS})"),
+])
+def test_predictions_of_other_ids_name_the_file_and_split(case, detail, root, right_captions, tmp_path, capsys):
+    captions = list(right_captions.items())
+    results = {"one missing": captions[1:], "one extra": captions + [("999999.png", "a caption")],
+               "integer ids": [(n, c) for n, (_, c) in enumerate(captions)], "none": [], "val split": captions}[case]
+    (tmp_path / "p.json").write_text(json.dumps([{"image_id": k, "caption": c} for k, c in results]))
+    split, n_ids = ("val", 2) if case == "val split" else ("test", 30)
+    assert error_of(capsys, "--predictions", tmp_path / "p.json", "--data", "clevr", "--data_root", root,
+                    "--split", split) == (f"{tmp_path / 'p.json'}: its ids are not those of the {split} split of "
+                                          f"{root}: {detail}; expected one caption for each of its {n_ids} ids")
+
+
+def test_input_files_that_are_empty_binary_or_folders_are_named(root, ckpt, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)))
+    earlier = snapshot(tmp_path)
+    assert error_of(capsys, "--ckpt", ckpt, "--pairs", tmp_path / "empty.txt") == (
+        f"{tmp_path / 'empty.txt'}: no pairs; expected two image paths (before, after) a line")
+    assert error_of(capsys, "--ckpt", ckpt, "--pairs", tmp_path / "binary.txt") == (
+        f"{tmp_path / 'binary.txt'}: not a text file ('utf-8' codec can't decode byte 0x80 in position 128: "
+        "invalid start byte); expected two image paths a line")
+    assert error_of(capsys, "--predictions", tmp_path, "--data", "clevr", "--data_root", root) == (
+        f"{tmp_path}: not a text file ([Errno 21] Is a directory: '{tmp_path}'); expected a COCO results json")
+    assert snapshot(tmp_path) == earlier
