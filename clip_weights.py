@@ -166,7 +166,7 @@ def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
     model = CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=n_intra))
     if any(k.startswith("decoder.") for k in sd):
         ffn = sd.get("decoder.encoder.layer.0.intermediate.dense.bias")  # when absent, reported below
-        if clip_config.embed_dim % heads:
+        if heads < 1 or clip_config.embed_dim % heads:
             raise InputError(f"--heads {heads}: expected a divisor of {name}'s captioner width {clip_config.embed_dim}")
         model = Captioner(model, CaptionerConfig(layers=count_blocks(sd, "decoder.encoder.layer."), heads=heads,
                                                  ffn=CaptionerConfig.ffn if ffn is None else len(ffn)))

@@ -132,6 +132,13 @@ def test_layer_split_beyond_the_vision_layers_is_refused(tmp_path):
         clip_weights.load_checkpoint(tmp_path / "pytorch_model.bin", n_intra=5)
 
 
+@pytest.mark.parametrize("heads", [0, -1, 5])
+def test_heads_that_do_not_divide_the_captioner_width_are_refused(tmp_path, heads):
+    torch.save(authors_state_dict(2), tmp_path / "pytorch_model.bin")
+    with pytest.raises(InputError, match=f"--heads {heads}: expected a divisor of .*pytorch_model.bin's captioner width"):
+        clip_weights.load_checkpoint(tmp_path / "pytorch_model.bin", n_intra=IO["n_intra"], heads=heads)
+
+
 def test_a_file_of_neither_kind_is_refused(tmp_path):
     torch.save({"weight": torch.zeros(2)}, tmp_path / "other.pt")
     with pytest.raises(InputError, match="other.pt: expected a best.pt or last.pt .* or a pytorch_model.bin"):
