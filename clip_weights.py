@@ -282,7 +282,6 @@ def download(url, root=CACHE_DIR):
     expected = url.rsplit("/", 2)[1]
     if target.is_file() and sha256(target) == expected:
         return target
-    made = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=target.name + ".", suffix=".part")
     try:
@@ -294,8 +293,6 @@ def download(url, root=CACHE_DIR):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-            if made:  # a failed first download leaves no empty cache folder either
-                root.rmdir()
     return target
 
 

@@ -325,6 +325,8 @@ def save_results(out, results, split=None, preds=None):
 def score_checkpoint(args, device):
     """A checkpoint over a split: a captioner's metrics (Tables 1-4), a pair encoder's retrieval (Table 7)."""
     model = clip_weights.load_checkpoint(args.ckpt, device, args.n_intra, args.heads)
+    written = ["metrics.json"] + [f"{args.split}_predictions.json"] * isinstance(model, Captioner)
+    check_outputs([("--out_dir", Path(args.out_dir) / name) for name in written if args.out_dir], args.overwrite)
     pairs = data.read_split(args.data, args.data_root, args.split)
     if isinstance(model, Captioner):
         train_pairs = data.read_split(args.data, args.data_root, "train")
@@ -390,14 +392,11 @@ def caption_one_pair(captioner, args):
         print(f"wrote {args.attention}")
 
 
-def check_outputs(args):
+def check_outputs(outputs, overwrite):
     """Before any scoring: refuse to replace an earlier result unless told to, or to score what cannot
-    then be written. Nothing is created."""
-    outputs = [("--out", args.out), ("--attention", args.attention)]
-    if args.out_dir:  # a stage-1 checkpoint writes only metrics.json, but its stage is not known yet
-        outputs += [("--out_dir", Path(args.out_dir) / f) for f in ("metrics.json", f"{args.split}_predictions.json")]
+    then be written. Nothing is created. outputs: (flag, path or None) pairs."""
     for flag, path in ((flag, Path(p)) for flag, p in outputs if p):
-        if path.exists() and not args.overwrite:
+        if path.exists() and not overwrite:
             raise InputError(f"{path} exists: pass --overwrite to replace it, or another {flag}")
         train.check_writable(path.parent, flag)
 
@@ -435,7 +434,7 @@ def main(argv=None):
     for out in (args.out, args.out_dir and Path(args.out_dir) / "metrics.json"):
         if out and Path(out).is_dir():
             parser.error(f"{out} is a folder: --out names the file to write")
-    check_outputs(args)
+    check_outputs([("--out", args.out), ("--attention", args.attention)], args.overwrite)
     if args.predictions:
         return score_predictions(args)
     device = train.setup_device(args)

@@ -105,8 +105,9 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors
     cfg = dataclasses.replace(cfg, **{**presets, **given})
     for name, (low, high) in LIMITS.items():
         value = getattr(cfg, name, None)
-        if value is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
-            kind = "value" if math.isfinite(value) else "finite value"
+        finite = not isinstance(value, float) or math.isfinite(value)  # ints of any size are finite
+        if value is not None and not (low <= value and (high is None or value <= high) and finite):
+            kind = "value" if finite else "finite value"
             parser.error(f"--{name} {value}: expected a {kind} {f'in [{low}, {high}]' if high else f'>= {low}'}")
     cfg.data_root = cfg.data_root or f"data/{cfg.data}"
     cfg.out_dir = cfg.out_dir or f"out/{stage}-{cfg.data}"
@@ -135,9 +136,9 @@ RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "exa
 def check_writable(folder, flag):
     """Refuse a folder that cannot be made or written before any work is done; nothing is created."""
     path = Path(folder).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
+    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))  # a link to nowhere counts
     if not existing.is_dir():
-        raise InputError(f"{flag} {folder}: {existing} is a file, not a folder")
+        raise InputError(f"{flag} {folder}: {existing} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {folder}: {existing} is not writable")
 
@@ -169,8 +170,8 @@ def check_run_folder(cfg):
 def locked(out):
     """Hold out/.lock while training (the system frees it too if the process dies), so a second run on
     the same folder is refused rather than racing on the same files. A folder it made is removed if the
-    run ends before writing anything into it."""
-    made = not out.exists()
+    run ends before writing anything into it, and so are the folders made above it."""
+    made = [p for p in (out, *out.parents) if not p.exists()]  # the deepest first
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:
         if fcntl:
@@ -182,8 +183,8 @@ def locked(out):
             yield
         finally:
             (out / ".lock").unlink(missing_ok=True)
-            if made and not any(out.iterdir()):
-                out.rmdir()
+            for folder in itertools.takewhile(lambda folder: not any(folder.iterdir()), made):
+                folder.rmdir()
 
 
 def setup_device(cfg):

@@ -103,11 +103,13 @@ def test_a_second_run_on_a_folder_in_use_is_refused(root, tmp_path, capsys):
     (["--lr", "inf"], "--lr inf: expected a finite value >= 0"),
     (["--beta2", "1"], "--beta2 1.0: expected a value in [0, 0.9999]"),  # AdamW's second moment would never move
     (["--seed", "-1"], "--seed -1: expected a value in [0, 4294967295]"),
+    (["--seed", "1" + "0" * 400], "expected a value in [0, 4294967295]"),
     (["--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
     (["--device", "cpu:3"], "--device cpu:3: expected auto, cpu, cuda or cuda:N"),
     (["--device", "meta"], "--device meta: expected auto, cpu, cuda or cuda:N"),
     (["--device", "cuda:99"], "--device cuda:99: "),
-    (["--out_dir", "a_file/run"], "a_file is a file, not a folder"),
+    (["--out_dir", "a_file/run"], "a_file is not a folder"),
+    (["--out_dir", "a_link/run"], "a_link is not a folder"),  # a link to nowhere
     (["--data", "clevr"], "data/clevr: no such folder (--data_root); expected CLEVR-Change's layout"),
     (["--data", "clevr", "--data_root", "nowhere"], "nowhere: no such folder (--data_root); expected CLEVR-Change's"),
     (["--resume", "--overwrite"], "--resume continues the run in --out_dir and --overwrite starts it anew: give one"),
@@ -116,8 +118,9 @@ def test_flags_are_checked_before_anything_is_built(tmp_path, capsys, monkeypatc
     monkeypatch.chdir(tmp_path)  # data/ and out/ are relative to here
     monkeypatch.setattr(clip_weights, "load", lambda *a, **k: pytest.fail("downloaded or loaded CLIP"))
     (tmp_path / "a_file").write_text("not a folder")
+    (tmp_path / "a_link").symlink_to(tmp_path / "nowhere")
     assert message in error_of(capsys, adapt.main, *flags)
-    assert list(tmp_path.iterdir()) == [tmp_path / "a_file"]  # no data generated, no run folder
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "a_link"]  # no data generated, no run folder
 
 
 def test_an_out_dir_that_cannot_be_written_is_refused_before_any_work(root, tmp_path, capsys, monkeypatch):
@@ -279,9 +282,10 @@ def test_an_unreadable_training_image_is_one_line_and_leaves_no_run_folder(root,
     shutil.copytree(root, tmp_path / "synth")
     image = tmp_path / "synth" / "images" / "CLEVR_default_000000.png"  # a training pair's
     image.write_bytes(image.read_bytes()[:200])
-    error = error_of(capsys, adapt.main, *SMALL, "--data_root", tmp_path / "synth", "--out_dir", tmp_path / "run",
-                     "--no-cache", "--workers", workers, "--max_steps", 0)
-    assert error.startswith(f"__main__.py: error: {image}: cannot read image") and not (tmp_path / "run").exists()
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", tmp_path / "synth", "--out_dir",
+                     tmp_path / "new" / "run", "--no-cache", "--workers", workers, "--max_steps", 0)
+    assert error.startswith(f"__main__.py: error: {image}: cannot read image")
+    assert sorted(os.listdir(tmp_path)) == ["synth"]  # nor the folders made above the run's
 
 
 def test_a_decompression_bomb_is_an_unreadable_image(tmp_path, monkeypatch):

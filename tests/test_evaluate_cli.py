@@ -134,6 +134,19 @@ def test_an_earlier_result_is_kept_unless_overwritten(flag, root, ckpt, preds, t
         assert list(json.loads(path.read_text())) == ["test"]
 
 
+def test_a_pair_encoder_is_refused_only_the_file_it_writes(root, tmp_path, capsys):
+    save_checkpoint(tiny_captioner().encoder, tmp_path / "stage1.pt")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "test_predictions.json").write_text("[]")  # a captioner's: a retrieval run writes none
+    evaluate.main([str(a) for a in ["--ckpt", tmp_path / "stage1.pt", "--data", "clevr", "--data_root", root,
+                                    "--out_dir", run]])
+    assert "test" in json.loads((run / "metrics.json").read_text())
+    capsys.readouterr()
+    assert error_of(capsys, "--ckpt", tmp_path / "stage1.pt", "--data", "clevr", "--data_root", root, "--out_dir",
+                    run) == f"{run / 'metrics.json'} exists: pass --overwrite to replace it, or another --out_dir"
+
+
 @pytest.mark.parametrize("flag", ["--out", "--out_dir", "read-only"])
 def test_an_output_that_cannot_be_written_is_refused_before_scoring(flag, root, ckpt, preds, tmp_path, capsys,
                                                                     monkeypatch):
@@ -145,9 +158,8 @@ def test_an_output_that_cannot_be_written_is_refused_before_scoring(flag, root, 
     monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != read_only and real_access(p, mode))
     clevr = ["--data", "clevr", "--data_root", root]
     argv, expected = {
-        "--out": (["--predictions", preds, *clevr, "--out", afile / "m.json"], f"--out {afile}: {afile} is a file, "
-                  "not a folder"),
-        "--out_dir": (["--ckpt", ckpt, *clevr, "--out_dir", afile], f"--out_dir {afile}: {afile} is a file, not a folder"),
+        "--out": (["--predictions", preds, *clevr, "--out", afile / "m.json"], f"--out {afile}: {afile} is not a folder"),
+        "--out_dir": (["--ckpt", ckpt, *clevr, "--out_dir", afile], f"--out_dir {afile}: {afile} is not a folder"),
         "read-only": (["--predictions", preds, *clevr, "--out", read_only / "new" / "m.json"],
                       f"--out {read_only / 'new'}: {read_only} is not writable")}[flag]
     earlier = snapshot(tmp_path)
