@@ -153,6 +153,16 @@ class Pair:
     distractor_captions: list[str] = field(default_factory=list)
 
 
+def check_writable(folder, flag):
+    """Refuse a folder that cannot be made or written before any work is done; nothing is created."""
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))  # a link to nowhere counts
+    if not existing.is_dir():
+        raise InputError(f"{flag} {folder}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {folder}: {existing} is not writable")
+
+
 def missing(dataset, path, what="not found"):
     name, layout, url = SOURCES[dataset]
     return FileNotFoundError(f"{path}: {what}; expected {name}'s layout ({layout}), published at {url}")

@@ -398,7 +398,7 @@ def check_outputs(outputs, overwrite):
     for flag, path in ((flag, Path(p)) for flag, p in outputs if p):
         if path.exists() and not overwrite:
             raise InputError(f"{path} exists: pass --overwrite to replace it, or another {flag}")
-        train.check_writable(path.parent, flag)
+        data.check_writable(path.parent, flag)
 
 
 def main(argv=None):

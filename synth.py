@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data import InputError
+from data import InputError, check_writable
 
 log = logging.getLogger("synth")
 
@@ -257,6 +257,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     start = time.perf_counter()
     try:
+        check_writable(args.out, "--out")
         write_synth(args.out, args.pairs, args.seed)
     except (InputError, FileExistsError) as e:
         parser.error(str(e))

@@ -120,6 +120,8 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
     cfg = parse_config(config_cls, synth_defaults, stage, argv, doc, authors_defaults)
     if cfg.data != "synth" and not Path(cfg.data_root).is_dir():
         raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
+    if cfg.data == "synth" and not Path(cfg.data_root).exists():  # generated there on first use
+        data.check_writable(cfg.data_root, "--data_root")
     check_run_folder(cfg)
     device = setup_device(cfg)
     logging.basicConfig(level=logging.INFO if rank() == 0 else logging.ERROR, format="%(message)s")
@@ -133,20 +135,10 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
 RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")
 
 
-def check_writable(folder, flag):
-    """Refuse a folder that cannot be made or written before any work is done; nothing is created."""
-    path = Path(folder).absolute()
-    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))  # a link to nowhere counts
-    if not existing.is_dir():
-        raise InputError(f"{flag} {folder}: {existing} is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {folder}: {existing} is not writable")
-
-
 def check_run_folder(cfg):
     """--out_dir may hold an earlier run only with --resume (same settings) or --overwrite."""
     out = Path(cfg.out_dir)
-    check_writable(out, "--out_dir")
+    data.check_writable(out, "--out_dir")
     earlier = [name for name in RUN_FILES if (out / name).exists()]
     if cfg.resume and cfg.overwrite:
         raise InputError("--resume continues the run in --out_dir and --overwrite starts it anew: give one")

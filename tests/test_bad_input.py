@@ -5,6 +5,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +112,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused(root, tmp_path, capsys):
     (["--device", "cuda:99"], "--device cuda:99: "),
     (["--out_dir", "a_file/run"], "a_file is not a folder"),
     (["--out_dir", "a_link/run"], "a_link is not a folder"),  # a link to nowhere
+    (["--data_root", "a_file/synth"], "--data_root a_file/synth: "),  # where the synthetic data would go
     (["--data", "clevr"], "data/clevr: no such folder (--data_root); expected CLEVR-Change's layout"),
     (["--data", "clevr", "--data_root", "nowhere"], "nowhere: no such folder (--data_root); expected CLEVR-Change's"),
     (["--resume", "--overwrite"], "--resume continues the run in --out_dir and --overwrite starts it anew: give one"),
@@ -128,6 +131,15 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_any_work(root, tmp_
     error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "run")
     assert error.endswith(f"--out_dir {tmp_path / 'run'}: {tmp_path} is not writable")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_synth_py_refuses_an_out_it_cannot_write(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    result = subprocess.run([sys.executable, "synth.py", "--out", str(tmp_path / "a_file" / "synth"), "--pairs", "10"],
+                            cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1].endswith(f"{tmp_path / 'a_file'} is not a folder"), result.stderr
+    assert "Traceback" not in result.stderr and sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
 def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_1, tmp_path, capsys):
