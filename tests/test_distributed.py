@@ -122,6 +122,7 @@ first, second = train.gather_objects(masks[0])
 if train.rank() == 0:
     print("masks", "equal" if torch.equal(first, second) else "differ")
 train.barrier()
+torch.distributed.destroy_process_group()  # as train.main ends: exiting without it can abort in gloo's teardown
 """
 
 
