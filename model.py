@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -288,19 +287,39 @@ def distributed():
 
 
 def gather_batch(x):
-    """x of every process, concatenated in rank order, with gradient; x itself in a single process.
+    """x of every process, concatenated in rank order; x itself in a single process.
 
-    Every process then computes the loss of the whole global batch. The backward pass sums the
-    processes' gradients of each slice, and DDP averages over the processes: together exactly the
-    gradient one process would compute on the global batch."""
-    return funcol.all_gather_single_autograd(x, 0, dist.group.WORLD) if distributed() else x
+    Every process then computes the same loss L of the whole global batch. Only its own slice carries
+    a gradient; scaled by the number of processes, DDP's average of the processes' gradients is then
+    exactly one process's gradient on the global batch. (A gather with autograd would also run a
+    collective in the backward pass, beside DDP's all-reduces: gloo does not do both safely.)"""
+    if not distributed():
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.detach().contiguous())
+    parts[dist.get_rank()] = ScaleGradient.apply(x, dist.get_world_size())
+    return torch.cat(parts)
+
+
+class ScaleGradient(torch.autograd.Function):
+    """The identity, its gradient multiplied by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
 
 
 def global_mean(total, count):
     """total / count with `count` summed over all processes (scaled so that DDP's averaging of the
     gradients gives the gradient of the global mean, however the counts split between processes)."""
     if distributed():
-        count = funcol.all_reduce(count, "sum", dist.group.WORLD) / dist.get_world_size()
+        dist.all_reduce(count)  # in place, on the caller's temporary
+        count = count / dist.get_world_size()
     return total / count
 
 
