@@ -318,7 +318,8 @@ def global_mean(total, count):
     """total / count with `count` summed over all processes (scaled so that DDP's averaging of the
     gradients gives the gradient of the global mean, however the counts split between processes)."""
     if distributed():
-        dist.all_reduce(count)  # in place, on the caller's temporary
+        count = count.clone()  # all_reduce sums in place: the caller's tensor stays as it was
+        dist.all_reduce(count)
         count = count / dist.get_world_size()
     return total / count
 
