@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import clip_weights
 import data
 import train
-from adapt import SMALL_CLIP, AdaptConfig
+from adapt import SMALL_CLIP, SYNTH_DEFAULTS, AdaptConfig
 from caption import CaptionConfig
 from model import CLIP4IDC, EOT, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
@@ -101,7 +101,7 @@ def bench_decode(args):
 def stage_model(args):
     """The stage's model at the paper's size (or the offline preset) and a random batch of its shape."""
     clip = SMALL_CLIP if args.preset == "small" else CLIPConfig()
-    n_intra = 3 if args.preset == "small" else 9
+    n_intra = SYNTH_DEFAULTS["n_intra"] if args.preset == "small" else 9
     encoder = CLIP4IDC(CLIP4IDCConfig(clip=clip, n_intra=n_intra))
     size, b = clip.image_size, args.batch
     lengths = torch.randint(6, 20, (b * (2 if args.stage == 2 else 1),))  # where EOT sits: CLEVR-Change-like
@@ -155,13 +155,13 @@ def bench_train(args):
     flops, pairs = counter.get_total_flops(), batch[1].shape[:-3].numel()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else next((v for k, v in BF16_PEAK.items() if k in name), None)
-    print(f"stage {args.stage}, {args.preset}, batch {args.batch} ({pairs} pairs), {flops / 1e12:.2f} TFLOP per step, "
+    print(f"stage {args.stage}, {args.preset}, batch {args.batch} ({pairs} pairs), {flops / 1e12:.3g} TFLOP per step, "
           f"on {name}, torch {torch.__version__}")
     for amp in args.amp:
         for mode in args.modes:
             rate = step_rate(model, batch, device, amp, mode, args.steps)
             mfu = f"   MFU {100 * flops * rate / peak:.1f}% of {peak / 1e12:.0f} TFLOP/s" if peak and amp == "bf16" else ""
-            print(f"  {mode:<15} {amp:<4}  {rate * pairs:9.1f} pairs/s   {flops * rate / 1e12:7.1f} TFLOP/s{mfu}",
+            print(f"  {mode:<15} {amp:<4}  {rate * pairs:9.1f} pairs/s   {flops * rate / 1e12:7.3g} TFLOP/s{mfu}",
                   flush=True)
     if args.data_root:
         fit_rate(args, device)
