@@ -289,10 +289,9 @@ def distributed():
 def gather_batch(x):
     """x of every process, concatenated in rank order; x itself in a single process.
 
-    Every process then computes the same loss L of the whole global batch. Only its own slice carries
-    a gradient; scaled by the number of processes, DDP's average of the processes' gradients is then
-    exactly one process's gradient on the global batch. (A gather with autograd would also run a
-    collective in the backward pass, beside DDP's all-reduces: gloo does not do both safely.)"""
+    Every process then computes the loss of the whole global batch. Only its own slice carries a gradient,
+    scaled by the number of processes, so that DDP's average is exactly one process's gradient on the global
+    batch. A gather with autograd would run a collective in the backward pass beside DDP's: unsafe in gloo."""
     if not distributed():
         return x
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
