@@ -105,13 +105,15 @@ def stage_model(args):
     encoder = CLIP4IDC(CLIP4IDCConfig(clip=clip, n_intra=n_intra))
     size, b = clip.image_size, args.batch
     lengths = torch.randint(6, 20, (b * (2 if args.stage == 2 else 1),))  # where EOT sits: CLEVR-Change-like
-    ids = torch.randint(1, 40000, (len(lengths), 32))
+    words = range(1, 74) if args.preset == "small" else range(1, 40000)  # the offline captioner: 73 words + EOT
+    ids = torch.randint(words.start, words.stop, (len(lengths), 32))
     ids[torch.arange(len(lengths)), lengths] = EOT
     ids[torch.arange(32) > lengths[:, None]] = 0
     pixels = torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8)
     if args.stage == 1:
         return encoder, (pixels, torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8), ids)
-    captioner = Captioner(encoder, CaptionerConfig(heads=4, ffn=512) if args.preset == "small" else CaptionerConfig())
+    small = CaptionerConfig(heads=4, ffn=512, vocab=(*words, EOT))
+    captioner = Captioner(encoder, small if args.preset == "small" else CaptionerConfig())
     return captioner, (pixels, torch.randint(0, 256, (b, 2, 3, size, size), dtype=torch.uint8), ids.view(b, 2, 32))
 
 

@@ -8,7 +8,7 @@
    by caption.py.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -346,6 +346,7 @@ class CaptionerConfig:  # Appendix B: 3 + 3 layers, 8 heads, hidden 512 (= CLIP'
     dropout: float = 0.1
     attn_dropout: float = 0.1  # on the attention weights
     max_len: int = 32
+    vocab: tuple = ()  # the token ids it may write, EOT among them (empty: all of CLIP's)
     ln_eps: float = 1e-12  # the LayerNorms' epsilon, as in the authors' BERT-style layers (PyTorch's default: 1e-5)
 
 
@@ -426,9 +427,16 @@ class Captioner(nn.Module):
         # The prediction head of the authors' BERT-style decoder, before the tied word embeddings.
         self.head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width, c.ln_eps))
         self.head_bias = nn.Parameter(torch.zeros(clip_config.vocab_size))
+        self.write_only(c.vocab)
         for layer in [*self.enc_layers, *self.dec_layers]:
             for attn in (m for m in layer.modules() if isinstance(m, Attention)):
                 nn.init.xavier_uniform_(attn.in_proj_weight)
+
+    def write_only(self, words):
+        """Score and write only the token ids `words`, EOT among them (all of CLIP's for ())."""
+        self.config = replace(self.config, vocab=tuple(sorted(words)))
+        words = torch.tensor(self.config.vocab, dtype=torch.long, device=self.head_bias.device)
+        self.register_buffer("words", words, persistent=False)
 
     def new_parameter_names(self):
         """The captioning model, learned at the higher rate (Appendix B). CLIP's word and position
@@ -457,7 +465,11 @@ class Captioner(nn.Module):
         return y
 
     def logits(self, y):
-        return F.linear(self.head(y), self.encoder.clip.token_embedding.weight, self.head_bias)  # tied to the input
+        """Scores of every token id, or of config.vocab's in increasing order; weights tied to the input's."""
+        weight, bias = self.encoder.clip.token_embedding.weight, self.head_bias
+        if self.config.vocab:
+            weight, bias = weight[self.words], bias[self.words]
+        return F.linear(self.head(y), weight, bias)
 
     def forward(self, before, after, ids):
         """The word-level cross-entropy of captions `ids` (SOT ... EOT, zero padded), by teacher
@@ -468,6 +480,9 @@ class Captioner(nn.Module):
         ids = trim_padding(ids.flatten(0, -2))
         y = self.decode(ids[:, :-1], self.visual_memory(before, after))
         targets = ids[:, 1:].masked_fill(torch.cumsum(ids == EOT, dim=1)[:, :-1] > 0, IGNORE)  # up to EOT
+        if self.config.vocab:  # each target's column of the logits; a word it cannot write is left out
+            column = torch.searchsorted(self.words, targets).clamp(max=len(self.words) - 1)
+            targets = column.masked_fill(self.words[column] != targets, IGNORE)
         real = targets != IGNORE
         if skip_padding(y):  # the vocabulary projection is the costliest layer: spare it the padding
             y, targets = y[real], targets[real]
@@ -492,7 +507,8 @@ class Captioner(nn.Module):
                 y = self.decode(ids[:, -1:], memories, caches, start=step)
             else:
                 y = self.decode(ids, memories)
-            token = self.logits(y[:, -1]).argmax(dim=-1).masked_fill(done, 0)
+            token = self.logits(y[:, -1]).argmax(dim=-1)
+            token = (self.words[token] if self.config.vocab else token).masked_fill(done, 0)
             ids = torch.cat([ids, token[:, None]], dim=1)
             done |= token == EOT
             if done.all():

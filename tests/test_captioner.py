@@ -1,5 +1,9 @@
+import dataclasses
+
 import torch
 
+import caption
+import clip_weights
 from evaluate import ids_to_text
 from model import EOT, IGNORE, SOT, Captioner, CaptionerConfig, WordCrossEntropy
 from tiny import tiny_pair_encoder
@@ -86,3 +90,37 @@ def test_word_cross_entropy_equals_torch_cross_entropy_in_value_and_gradient():
 def test_generated_ids_decode_to_the_caption_text():
     ids = data.tokenize(["the big cube has moved", "nothing has changed"], 12)
     assert ids_to_text(ids) == ["the big cube has moved", "nothing has changed"]
+
+
+def test_a_captioner_of_fewer_words_scores_and_writes_as_the_full_one_with_the_other_words_masked(tmp_path):
+    words = (320, 518, 1125, 2442, 11331, EOT)
+    full = tiny_captioner()
+    few = Captioner(full.encoder, dataclasses.replace(full.config, vocab=words)).eval()
+    few.load_state_dict(full.state_dict())
+    before, after = torch.randn(2, 2, 3, 32, 32)
+    ids = torch.tensor([[SOT, 320, 1125, EOT, 0, 0], [SOT, 518, 2442, 11331, 320, EOT]])
+    logits = next_token_logits(full, before, after, ids[:, :-1])[..., list(words)]
+    torch.testing.assert_close(next_token_logits(few, before, after, ids[:, :-1]), logits)
+    rows = torch.tensor([[0, 2, 5, 0, 0], [1, 3, 4, 0, 5]])  # each target's place in `words`
+    expected = torch.nn.functional.cross_entropy(torch.cat([logits[0, :3], logits[1]]), torch.cat([rows[0, :3], rows[1]]))
+    torch.testing.assert_close(few(before, after, ids), expected, rtol=1e-5, atol=1e-5)
+    ids[1, 4] = 1069  # a word it cannot write does not count
+    logits = next_token_logits(full, before, after, ids[:, :-1])[..., list(words)]
+    expected = torch.nn.functional.cross_entropy(torch.cat([logits[0, :3], logits[1, [0, 1, 2, 4]]]),
+                                                 torch.cat([rows[0, :3], rows[1, [0, 1, 2, 4]]]))
+    torch.testing.assert_close(few(before, after, ids), expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        full.head_bias[[i for i in range(49408) if i not in words]] = -1e4
+    written = few.generate(before, after)
+    assert torch.equal(written, full.generate(before, after)) and set(written[:, 1:].flatten().tolist()) <= {0, *words}
+    path = tmp_path / "best.pt"  # the vocabulary travels in the checkpoint's model_config
+    torch.save({"model": few.state_dict(), "model_config": clip_weights.model_config(few)}, path)
+    loaded = clip_weights.load_checkpoint(path)
+    assert loaded.config.vocab == words and torch.equal(loaded.generate(before, after), written)
+
+
+def test_the_training_words_are_the_tokens_after_sot_up_to_and_with_eot():
+    encode = data.Tokenizer().encode
+    assert caption.train_words(data.tokenize(["the cube moved", "a cube appeared"], 12)) == tuple(
+        sorted({*encode("the cube moved"), *encode("a cube appeared"), EOT}))  # not SOT, nor the padding's 0
+    assert 0 in caption.train_words(data.tokenize(["it moved!—"], 12))  # "!" before a dash is token 0, as the padding
