@@ -112,8 +112,8 @@ def stage_model(args):
     pixels = torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8)
     if args.stage == 1:
         return encoder, (pixels, torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8), ids)
-    small = CaptionerConfig(heads=4, ffn=512, vocab=(*words, EOT))
-    captioner = Captioner(encoder, small if args.preset == "small" else CaptionerConfig())
+    config = CaptionerConfig(heads=4, ffn=512, vocab=(*words, EOT)) if args.preset == "small" else CaptionerConfig()
+    captioner = Captioner(encoder, config)
     return captioner, (pixels, torch.randint(0, 256, (b, 2, 3, size, size), dtype=torch.uint8), ids.view(b, 2, 32))
 
 
