@@ -23,7 +23,7 @@ import evaluate
 import figures
 import train
 from adapt import AdaptConfig, build_model
-from data import EOT, InputError
+from data import IGNORE, InputError, next_tokens
 from model import CLIP4IDC, Captioner, CaptionerConfig
 
 
@@ -112,10 +112,9 @@ def captioner_config(cfg):
 
 
 def train_words(tokens):
-    """The token ids after SOT, up to and with EOT, of tokenized captions [N, L]: the words to learn to write."""
-    written = (torch.cumsum(tokens == EOT, dim=1) - (tokens == EOT).long()) == 0
-    written[:, 0] = False  # SOT
-    return tuple(tokens[written].unique().tolist())
+    """The token ids that tokenized captions [N, L] teach the captioner to write: after SOT, up to and with EOT."""
+    targets = next_tokens(tokens)
+    return tuple(targets[targets != IGNORE].unique().tolist())
 
 
 def main(argv=None):

@@ -36,6 +36,7 @@ BPE_PATH = Path(__file__).parent / "assets" / "bpe_simple_vocab_16e6.txt.gz"
 BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
 N_MERGES = 49152 - 256 - 2  # vocab 49408 = 256 bytes * 2 (+ '</w>' forms) + merges + SOT + EOT
 SOT, EOT = 49406, 49407  # the start- and end-of-text ids
+IGNORE = -100  # target id of the padding after a caption's EOT: no loss
 SPECIAL = ("<|startoftext|>", "<|endoftext|>")
 TOKEN_PATTERN = re.compile(
     r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+""",
@@ -123,6 +124,11 @@ def tokenize(texts, context_length=77):
         ids = [SOT] + tok.encode(text)[:context_length - 2] + [EOT]
         out[row, :len(ids)] = torch.tensor(ids)
     return out
+
+
+def next_tokens(tokens):
+    """What each position of tokenized captions [N, L] predicts: the next id, up to EOT; IGNORE after it."""
+    return tokens[:, 1:].masked_fill(torch.cumsum(tokens == EOT, dim=1)[:, :-1] > 0, IGNORE)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,11 +15,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import EOT, SOT
+from data import EOT, IGNORE, SOT, next_tokens
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's pre-training pixel statistics
 STD = (0.26862954, 0.26130258, 0.27577711)
-IGNORE = -100  # target id of the padding after a caption's EOT: no loss
 
 
 @dataclass
@@ -466,7 +465,7 @@ class Captioner(nn.Module):
         [B, k, L]: k pairs share a before image (see `CLIP4IDC.encode_pair`)."""
         ids = trim_padding(ids.flatten(0, -2))
         y = self.decode(ids[:, :-1], self.visual_memory(before, after))
-        targets = ids[:, 1:].masked_fill(torch.cumsum(ids == EOT, dim=1)[:, :-1] > 0, IGNORE)  # up to EOT
+        targets = next_tokens(ids)
         if self.config.vocab:  # each target's column of the logits; a word it cannot write is left out
             column = torch.searchsorted(self.words, targets).clamp(max=len(self.words) - 1)
             targets = column.masked_fill(self.words[column] != targets, IGNORE)
