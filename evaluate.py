@@ -149,11 +149,6 @@ def predict(captioner, items, device, store=None, amp="auto", workers=-1, progre
     return preds
 
 
-def caption_pair(captioner, before, after):
-    """The greedy caption of images before, after [1, 3, S, S] (uint8 pixels or normalised)."""
-    return ids_to_text(captioner.generate(before, after))[0]
-
-
 CAPTION_METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr")
 
 
@@ -383,10 +378,10 @@ def caption_pairs(captioner, args, device):
         print("\n".join(lines))
 
 
-def caption_one_pair(captioner, args):
+def caption_one_pair(captioner, args, device):
     size = captioner.encoder.config.clip.image_size
-    before, after = (data.read_pixels(p, size)[None] for p in args.pair)
-    print(caption_pair(captioner, before, after))
+    before, after = (data.read_pixels(p, size)[None].to(device) for p in args.pair)
+    print(ids_to_text(captioner.generate(before, after))[0])
     if args.attention:
         figures.save_attention(captioner, before, after, args.pair, args.attention)
         print(f"wrote {args.attention}")
@@ -408,7 +403,7 @@ def main(argv=None):
                         "or the authors' pytorch_model.bin.*")
     parser.add_argument("--data", default="clevr", choices=("clevr", "spot", "ier", "synth"), help="(default: clevr)")
     parser.add_argument("--data_root", help="dataset folder: score --predictions, or --ckpt over --split")
-    parser.add_argument("--split", default="test", help="(default: test)")
+    parser.add_argument("--split", help="with --data_root: the split to score (default: test)")
     parser.add_argument("--pair", nargs=2, metavar=("BEFORE", "AFTER"), help="with --ckpt: caption these two images")
     parser.add_argument("--attention", metavar="PNG", help="with --pair: also save the attention figure here")
     parser.add_argument("--pairs", metavar="TXT", help="with --ckpt: caption the two image paths of each line")
@@ -427,8 +422,13 @@ def main(argv=None):
         parser.error("give --predictions with --data_root, or --ckpt with one of --pair, --pairs, --data_root")
     if args.predictions and not args.data_root:
         parser.error("--predictions needs --data_root, the dataset it scores against")
-    if args.attention and not args.pair:
-        parser.error("--attention draws the figure of one --pair")
+    uses = {"predictions": ("out", "split"), "data_root": ("out_dir", "split"), "pair": ("attention",), "pairs": ("out",)}
+    for flag in ("out", "out_dir", "split", "attention"):
+        if getattr(args, flag) is not None and flag not in uses[modes[0]]:
+            mode = "--ckpt --data_root" if modes[0] == "data_root" else f"--{modes[0]}"
+            takes = ", ".join(f"--{f}" for f in uses[modes[0]])
+            raise InputError(f"--{flag} has no use with {mode}, which takes {takes}")
+    args.split = args.split or "test"
     if args.attention and Path(args.attention).suffix.lower() not in Image.registered_extensions():
         parser.error(f"--attention {args.attention}: expected an image file name, such as attention.png")
     for out in (args.out, args.out_dir and Path(args.out_dir) / "metrics.json"):
@@ -445,7 +445,7 @@ def main(argv=None):
         parser.error(f"{args.ckpt} holds a stage-1 pair encoder: captions need a stage-2 checkpoint "
                      "(caption.py's best.pt, or the authors' trained pytorch_model.bin)")
     if args.pair:
-        caption_one_pair(captioner, args)
+        caption_one_pair(captioner, args, device)
     else:
         caption_pairs(captioner, args, device)
 

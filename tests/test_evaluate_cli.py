@@ -134,6 +134,22 @@ def test_an_earlier_result_is_kept_unless_overwritten(flag, root, ckpt, preds, t
         assert list(json.loads(path.read_text())) == ["test"]
 
 
+def test_a_flag_the_chosen_command_does_not_use_is_refused(root, ckpt, preds, tmp_path, capsys):
+    before, after = write_pair(tmp_path)
+    (tmp_path / "pairs.txt").write_text(f"{before} {after}\n")
+    clevr = ["--data", "clevr", "--data_root", root]
+    earlier = snapshot(tmp_path)
+    assert error_of(capsys, "--ckpt", ckpt, *clevr, "--out", tmp_path / "m.json") == (
+        "--out has no use with --ckpt --data_root, which takes --out_dir, --split")
+    assert error_of(capsys, "--predictions", preds, *clevr, "--out_dir", tmp_path / "run") == (
+        "--out_dir has no use with --predictions, which takes --out, --split")
+    assert error_of(capsys, "--ckpt", ckpt, "--pair", before, after, "--split", "val") == (
+        "--split has no use with --pair, which takes --attention")
+    assert error_of(capsys, "--ckpt", ckpt, "--pairs", tmp_path / "pairs.txt", "--attention", tmp_path / "a.png") == (
+        "--attention has no use with --pairs, which takes --out")
+    assert snapshot(tmp_path) == earlier
+
+
 def test_a_pair_encoder_is_refused_only_the_file_it_writes(root, tmp_path, capsys):
     save_checkpoint(tiny_captioner().encoder, tmp_path / "stage1.pt")
     run = tmp_path / "run"
