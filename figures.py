@@ -74,12 +74,12 @@ def attention_figure(images, maps):
 EXAMPLE = (240, 160, 6, 13, 5)  # examples.png: image box width and height, gap, font size, text lines a pair
 
 
-def example_items(items, n=6):
+def example_items(items):
     """A fixed handful of evaluation items: on CLEVR-Change the first of each change type (Table 2's
-    order), a distractor among them; elsewhere the first n."""
+    order), a distractor among them; elsewhere the first six."""
     firsts = [next((i for i in items if PAPER_TYPE_NAME.get(i.change_type, i.change_type) == t), None)
               for t in CHANGE_TYPES]
-    return [i for i in firsts if i] or items[:n]
+    return [i for i in firsts if i] or items[:6]
 
 
 def examples_figure(items, preds):
@@ -90,6 +90,7 @@ def examples_figure(items, preds):
     rows = (len(items) + 1) // 2
     figure = Image.new("RGB", (2 * cell_w + 3 * gap * 4, rows * (cell_h + 4 * gap) + 2 * gap), "white")
     draw, font = ImageDraw.Draw(figure), ImageFont.load_default(size=font_size)
+    chars = int(2 * width / (font_size * 0.55))  # what a line under the pair holds, at a glyph's mean width
     for n, item in enumerate(items):
         x, y = 4 * gap + (n % 2) * (cell_w + 4 * gap), 2 * gap + (n // 2) * (cell_h + 4 * gap)
         for k, path in enumerate((item.before, item.after)):
@@ -99,7 +100,7 @@ def examples_figure(items, preds):
             figure.paste(image, (x + k * (width + gap) + (width - image.width) // 2, y + (height - image.height) // 2))
         kind = PAPER_TYPE_NAME.get(item.change_type, item.change_type)
         text = [(f"{kind + ': ' if kind else ''}model: {preds[item.id]}", "navy"), (f"reference: {item.captions[0]}", "dimgray")]
-        wrapped = [(line, color) for caption, color in text for line in textwrap.wrap(caption, 2 * width // (font_size * 0.55))]
+        wrapped = [(line, color) for caption, color in text for line in textwrap.wrap(caption, chars)]
         for k, (line, color) in enumerate(wrapped[:lines]):
             draw.text((x, y + height + gap + k * (font_size + 3)), line, fill=color, font=font)
     return figure

@@ -111,6 +111,13 @@ def test_uniform_attention_gives_flat_maps():
     torch.testing.assert_close(maps["inter"], torch.full((2, 4, 4), 1 / 34))  # 2(n + 1) tokens per pair
 
 
+def test_examples_figure_breaks_a_word_longer_than_a_line(tmp_path):
+    before, after = write_pair(tmp_path)
+    figure = figures.examples_figure([data.Pair("0", before, after, ["a" * 200], "move")], {"0": "b" * 200})
+    width, height, gap, font_size, lines = figures.EXAMPLE
+    assert figure.size == (2 * (2 * width + gap) + 12 * gap, height + gap + lines * (font_size + 3) + 6 * gap)
+
+
 def cli_error(capsys, *argv):
     """The one-line error that `python evaluate.py ARGV` ends with (exit status 2, no traceback)."""
     with pytest.raises(SystemExit) as exit:
