@@ -118,6 +118,9 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
     """The first steps of both stages: flags, checks of the data and run folders, processes, device,
     seeds. Only rank 0 prints. Nothing is built, downloaded or written before the checks pass."""
     cfg = parse_config(config_cls, synth_defaults, stage, argv, doc, authors_defaults)
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.batch_size % processes:
+        raise InputError(f"--batch_size {cfg.batch_size} does not split evenly over {processes} processes")
     if cfg.data != "synth" and not Path(cfg.data_root).is_dir():
         raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
     if cfg.data == "synth" and not Path(cfg.data_root).exists():  # generated there on first use
@@ -360,7 +363,7 @@ def resume(path, run):
     check_run_folder compared); return the loop's state."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     for name, obj in run.items():
-        if obj is not None:
+        if obj is not None and (name in ckpt or name != "scaler"):  # onto fp16 from a run without: a new scaler
             obj.load_state_dict(ckpt[name])
     if len(ckpt["rng"]) == world():
         set_rng_state(ckpt["rng"][rank()])
@@ -402,8 +405,6 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     steps_per_epoch = len(train_set) // cfg.batch_size
     if steps_per_epoch == 0:
         raise InputError(f"--batch_size {cfg.batch_size}: expected at most the {len(train_set)} training samples")
-    if cfg.batch_size % world():
-        raise InputError(f"--batch_size {cfg.batch_size} does not split evenly over {world()} processes")
     total = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
     sampler = EpochSampler(len(train_set), cfg.seed, cfg.batch_size, rank(), world())
     loader = make_loader(train_set, cfg.batch_size // world(), device, cfg.workers, sampler, cfg.seed)

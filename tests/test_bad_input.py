@@ -126,6 +126,13 @@ def test_flags_are_checked_before_anything_is_built(tmp_path, capsys, monkeypatc
     assert sorted(os.listdir(tmp_path)) == ["a_file", "a_link"]  # no data generated, no run folder
 
 
+def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
+    assert error_of(capsys, adapt.main, "--batch_size", "5").endswith("--batch_size 5 does not split evenly over 2 processes")
+    assert os.listdir(tmp_path) == []
+
+
 def test_an_out_dir_that_cannot_be_written_is_refused_before_any_work(root, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only disk, as root meets it too
     error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "run")

@@ -1,4 +1,5 @@
 import random
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -86,6 +87,16 @@ def test_a_run_killed_while_validating_its_last_step_validates_on_resume(tmp_pat
     state = fit(AdaptConfig(**{**cfg.__dict__, "resume": True}), model, ToyPairs(), lambda: (1.0, {}),
                 model.new_parameter_names(), "cosine")
     assert [h["step"] for h in state["history"]] == [4] and (tmp_path / "best.pt").exists()
+
+
+def test_a_run_resumed_where_amp_needs_a_grad_scaler_starts_one(tmp_path, monkeypatch):
+    """--amp auto is off on a CPU and fp16 (with a scaler) on a GPU older than Ampere: --device may change."""
+    with pytest.raises(KeyboardInterrupt):
+        run(config(tmp_path), tiny_pair_encoder, kill_at=6)  # last.pt at step 4, without a scaler
+    monkeypatch.setattr(train, "mixed_precision", lambda device, amp: (nullcontext(), torch.amp.GradScaler("cpu")))
+    run(config(tmp_path, resume=True), tiny_pair_encoder)
+    last = torch.load(tmp_path / "last.pt", weights_only=False)
+    assert last["state"]["step"] == 12 and last["scaler"]["scale"] == 2.0 ** 16
 
 
 def test_overwrite_keeps_the_earlier_run_until_the_new_one_saves(tmp_path):
