@@ -177,14 +177,15 @@ def fit_rate(args, device):
     torch.manual_seed(0)
     model = stage_model(args)[0].to(device)
     config_cls = AdaptConfig if args.stage == 1 else CaptionConfig
-    cfg = config_cls(data=args.data, out_dir=tempfile.mkdtemp(), batch_size=args.batch, amp=args.amp[-1],
-                     compile=args.modes[-1] != "eager", workers=args.workers, log_every=args.fit_steps // 5,
-                     max_steps=args.fit_steps, save_every=10 ** 9, epochs=1)
     dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, store)
     dataset = Repeat(dataset, args.fit_steps * args.batch)  # one epoch: fit writes last.pt at each epoch's end
-    print(f"train.fit, {args.fit_steps} steps of {args.batch}, {cfg.amp}, compiled {cfg.compile}, workers "
-          f"{train.loader_workers(cfg.workers, device)} (the first lines include compilation):")
-    train.fit(cfg, model, dataset, lambda: (0.0, {}), model.new_parameter_names(), "cosine")
+    with tempfile.TemporaryDirectory() as out:
+        cfg = config_cls(data=args.data, out_dir=out, batch_size=args.batch, amp=args.amp[-1],
+                         compile=args.modes[-1] != "eager", workers=args.workers, log_every=args.fit_steps // 5,
+                         max_steps=args.fit_steps, save_every=10 ** 9, epochs=1)
+        print(f"train.fit, {args.fit_steps} steps of {args.batch}, {cfg.amp}, compiled {cfg.compile}, workers "
+              f"{train.loader_workers(cfg.workers, device)} (the first lines include compilation):")
+        train.fit(cfg, model, dataset, lambda: (0.0, {}), model.new_parameter_names(), "cosine")
 
 
 class Repeat(torch.utils.data.Dataset):

@@ -209,21 +209,25 @@ def write_synth(out, n_pairs, seed, workers=None):
         raise FileExistsError(f"{out} exists; choose a new folder for the synthetic dataset")
     tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")  # renamed when whole: a killed run leaves no dataset
     files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
-    for folder in ("images", "sc_images", "nsc_images"):
-        (tmp / folder).mkdir(parents=True)
     workers = workers or min(os.cpu_count() or 1, 1 + n_pairs // 500)
-    with multiprocessing.Pool(workers) as pool:
-        for name, scene, captions, no_change in pool.imap(functools.partial(draw_pair, seed=seed, folder=tmp),
-                                                           range(n_pairs), chunksize=25):
-            files["change_captions"][f"CLEVR_default_{name}"] = captions
-            files["no_change_captions"][f"CLEVR_default_{name}"] = no_change
-            files["type_mapping"][scene["change_type"]].append(name)
-            files["scenes"][name] = scene
-    n_eval = min(200, n_pairs // 10)
-    ends = (0, n_pairs - 2 * n_eval, n_pairs - n_eval, n_pairs)
-    files["splits"] = {split: list(range(a, b)) for split, a, b in zip(("train", "val", "test"), ends, ends[1:])}
-    for name, content in files.items():
-        (tmp / f"{name}.json").write_text(json.dumps(content))
+    try:
+        for folder in ("images", "sc_images", "nsc_images"):
+            (tmp / folder).mkdir(parents=True)
+        with multiprocessing.Pool(workers) as pool:
+            for name, scene, captions, no_change in pool.imap(functools.partial(draw_pair, seed=seed, folder=tmp),
+                                                               range(n_pairs), chunksize=25):
+                files["change_captions"][f"CLEVR_default_{name}"] = captions
+                files["no_change_captions"][f"CLEVR_default_{name}"] = no_change
+                files["type_mapping"][scene["change_type"]].append(name)
+                files["scenes"][name] = scene
+        n_eval = min(200, n_pairs // 10)
+        ends = (0, n_pairs - 2 * n_eval, n_pairs - n_eval, n_pairs)
+        files["splits"] = {split: list(range(a, b)) for split, a, b in zip(("train", "val", "test"), ends, ends[1:])}
+        for name, content in files.items():
+            (tmp / f"{name}.json").write_text(json.dumps(content))
+    except BaseException:  # an interrupted drawing leaves nothing behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(out)
     except OSError:  # another process wrote the same dataset first

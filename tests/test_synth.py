@@ -155,3 +155,19 @@ def test_ensure_synth_generates_only_when_missing(tmp_path, caplog):
     synth.ensure_synth(root, pairs=12, seed=1)  # a dataset of another size is used as it is, and said so
     assert (root / "scenes.json").stat().st_mtime_ns == stamp
     assert f"{root} holds 10 pairs, not the 12 asked for: delete it to generate those" in caplog.text
+
+
+DRAW_PAIR = synth.draw_pair
+
+
+def draw_or_fail(i, seed, folder):  # at module level: the pool's workers receive it by name
+    if i == 7:
+        raise OSError("disk full")
+    return DRAW_PAIR(i, seed, folder)
+
+
+def test_a_drawing_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr(synth, "draw_pair", draw_or_fail)
+    with pytest.raises(OSError, match="disk full"):
+        synth.write_synth(tmp_path / "s", 10, seed=1)
+    assert list(tmp_path.iterdir()) == []
