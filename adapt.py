@@ -7,7 +7,6 @@
 Any field of AdaptConfig is a flag (--epochs 3, --n_intra 8 --n_inter 4, --compile, --amp bf16);
 several GPUs through torchrun (see train.py). The training loop is train.fit, shared with caption.py.
 """
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,13 +115,11 @@ def main(argv=None):
         return
     model.load_state_dict(torch.load(Path(cfg.out_dir) / "best.pt", map_location=device, weights_only=True)["model"])
     results = {"val": retrieval("val"), "test": retrieval("test"), "test_step0": state["before"]}
-    with open(Path(cfg.out_dir) / "metrics.json", "w") as f:
-        json.dump(results, f, indent=2)
     print(evaluate.format_retrieval(results["test"]))
     print(f"text -> pair R@1 on test: {results['test']['text_to_pair']['R@1']:.1f} after adaptation, "
           f"{results['test_step0']['text_to_pair']['R@1']:.1f} with zero adaptation steps, "
           f"chance {100 / len(splits['test']):.1f}")
-    print(f"wrote {Path(cfg.out_dir) / 'metrics.json'}")
+    evaluate.save_results(cfg.out_dir, results)
 
 
 if __name__ == "__main__":
