@@ -421,8 +421,7 @@ class Captioner(nn.Module):
     def write_only(self, words):
         """Score and write only the token ids `words`, EOT among them (all of CLIP's for ())."""
         self.config = replace(self.config, vocab=tuple(sorted(words)))
-        words = torch.tensor(self.config.vocab, dtype=torch.long, device=self.head_bias.device)
-        self.register_buffer("words", words, persistent=False)
+        self.register_buffer("words", self.head_bias.new_tensor(self.config.vocab, dtype=torch.long), persistent=False)
 
     def new_parameter_names(self):
         """The captioning model, learned at the higher rate (Appendix B). CLIP's word and position
@@ -489,10 +488,7 @@ class Captioner(nn.Module):
         caches = [{"self": {}, "cross": {}} for _ in self.dec_layers] if use_cache else None
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         for step in range(max_len - 1):
-            if use_cache:
-                y = self.decode(ids[:, -1:], memories, caches, start=step)
-            else:
-                y = self.decode(ids, memories)
+            y = self.decode(ids[:, -1:], memories, caches, start=step) if use_cache else self.decode(ids, memories)
             token = self.logits(y[:, -1]).argmax(dim=-1)
             token = (self.words[token] if self.config.vocab else token).masked_fill(done, 0)
             ids = torch.cat([ids, token[:, None]], dim=1)
