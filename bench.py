@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import caption
 import clip_weights
 import data
 import train
 from adapt import SMALL_CLIP, SYNTH_DEFAULTS, AdaptConfig
-from caption import CaptionConfig
 from model import CLIP4IDC, EOT, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
 CAPTIONS = ["the small red metal cube has moved", "there is no change", "a photo of a cat.",
@@ -112,7 +112,8 @@ def stage_model(args):
     pixels = torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8)
     if args.stage == 1:
         return encoder, (pixels, torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8), ids)
-    config = CaptionerConfig(heads=4, ffn=512, vocab=(*words, EOT)) if args.preset == "small" else CaptionerConfig()
+    small = {k: caption.SYNTH_DEFAULTS[k] for k in ("heads", "ffn", "dropout", "attn_dropout")}  # the offline captioner
+    config = CaptionerConfig(**small, vocab=(*words, EOT)) if args.preset == "small" else CaptionerConfig()
     captioner = Captioner(encoder, config)
     return captioner, (pixels, torch.randint(0, 256, (b, 2, 3, size, size), dtype=torch.uint8), ids.view(b, 2, 32))
 
@@ -176,7 +177,7 @@ def fit_rate(args, device):
     store = data.ImageStore(pairs, size, args.data_root)
     torch.manual_seed(0)
     model = stage_model(args)[0].to(device)
-    config_cls = AdaptConfig if args.stage == 1 else CaptionConfig
+    config_cls = AdaptConfig if args.stage == 1 else caption.CaptionConfig
     dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, store)
     dataset = Repeat(dataset, args.fit_steps * args.batch)  # one epoch: fit writes last.pt at each epoch's end
     with tempfile.TemporaryDirectory() as out:

@@ -153,10 +153,11 @@ CAPTION_METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", 
 
 
 def require_java():
+    """Scoring captions runs Java: callers check first, so that no run trains or predicts for nothing."""
     if shutil.which("java") is None:
-        raise RuntimeError("METEOR and the PTB tokenizer of pycocoevalcap need a Java runtime, but "
-                           "`java` is not on PATH. Install one, e.g. `apt-get install "
-                           "default-jre-headless` (Debian/Ubuntu) or `conda install openjdk`.")
+        raise InputError("scoring captions needs a Java runtime (METEOR and the PTB tokenizer of pycocoevalcap "
+                         "run in it), but `java` is not on PATH: install one, e.g. `apt-get install "
+                         "default-jre-headless` (Debian/Ubuntu) or `conda install openjdk`")
 
 
 def id_mismatch(refs, preds):
@@ -320,6 +321,8 @@ def save_results(out, results, split=None, preds=None):
 def score_checkpoint(args, device):
     """A checkpoint over a split: a captioner's metrics (Tables 1-4), a pair encoder's retrieval (Table 7)."""
     model = clip_weights.load_checkpoint(args.ckpt, device, args.n_intra, args.heads)
+    if isinstance(model, Captioner):
+        require_java()
     written = ["metrics.json"] + [f"{args.split}_predictions.json"] * isinstance(model, Captioner)
     check_outputs([("--out_dir", Path(args.out_dir) / name) for name in written if args.out_dir], args.overwrite)
     pairs = data.read_split(args.data, args.data_root, args.split)
@@ -334,6 +337,7 @@ def score_checkpoint(args, device):
 
 
 def score_predictions(args):
+    require_java()
     items = data.eval_items(data.read_split(args.data, args.data_root, args.split))
     preds = read_predictions(args.predictions)
     if mismatch := id_mismatch({item.id: item.captions for item in items}, preds):

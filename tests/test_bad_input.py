@@ -140,6 +140,16 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_any_work(root, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_caption_py_without_java_is_refused_before_any_work(root, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # validation scores in Java, and no java is on this PATH
+    monkeypatch.setattr(caption, "build_captioner", lambda *args: pytest.fail("built a model before the refusal"))
+    error = error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "run")
+    assert error.endswith("scoring captions needs a Java runtime (METEOR and the PTB tokenizer of pycocoevalcap run "
+                          "in it), but `java` is not on PATH: install one, e.g. `apt-get install default-jre-headless` "
+                          "(Debian/Ubuntu) or `conda install openjdk`")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_synth_py_refuses_an_out_it_cannot_write(tmp_path):
     (tmp_path / "a_file").write_text("x")
     result = subprocess.run([sys.executable, "synth.py", "--out", str(tmp_path / "a_file" / "synth"), "--pairs", "10"],

@@ -8,6 +8,7 @@ from pycocoevalcap.rouge.rouge import Rouge
 from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
 import evaluate
+from data import InputError
 from evaluate import CHANGE_TYPES, caption_metrics, format_table, per_type_cider
 
 REFS = {
@@ -90,7 +91,7 @@ def test_bad_requests_are_explained():
 
 def test_missing_java_is_explained(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(RuntimeError, match="need a Java runtime.*apt-get install default-jre-headless"):
+    with pytest.raises(InputError, match="needs a Java runtime.*apt-get install default-jre-headless"):
         caption_metrics(REFS, PREDS)
 
 

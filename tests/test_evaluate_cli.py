@@ -163,6 +163,19 @@ def test_a_pair_encoder_is_refused_only_the_file_it_writes(root, tmp_path, capsy
                     run) == f"{run / 'metrics.json'} exists: pass --overwrite to replace it, or another --out_dir"
 
 
+def test_scoring_captions_without_java_is_refused_before_any_work(root, ckpt, preds, tmp_path, capsys, monkeypatch):
+    save_checkpoint(tiny_captioner().encoder, tmp_path / "stage1.pt")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no java on it
+    monkeypatch.setattr(evaluate, "predict", lambda *args, **kwargs: pytest.fail("captioned before the refusal"))
+    clevr = ["--data", "clevr", "--data_root", root]
+    for argv in (["--predictions", preds, *clevr, "--out", tmp_path / "m.json"],
+                 ["--ckpt", ckpt, *clevr, "--out_dir", tmp_path / "run"]):
+        assert error_of(capsys, *argv).startswith("scoring captions needs a Java runtime")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["preds.json", "stage1.pt"]
+    evaluate.main([str(a) for a in ["--ckpt", tmp_path / "stage1.pt", *clevr, "--out_dir", tmp_path / "run"]])
+    assert "test" in json.loads((tmp_path / "run" / "metrics.json").read_text())  # retrieval runs no Java
+
+
 @pytest.mark.parametrize("flag", ["--out", "--out_dir", "read-only"])
 def test_an_output_that_cannot_be_written_is_refused_before_scoring(flag, root, ckpt, preds, tmp_path, capsys,
                                                                     monkeypatch):
