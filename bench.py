@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import adapt
 import caption
 import clip_weights
 import data
 import train
-from adapt import SMALL_CLIP, SYNTH_DEFAULTS, AdaptConfig
 from model import CLIP4IDC, EOT, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
 CAPTIONS = ["the small red metal cube has moved", "there is no change", "a photo of a cat.",
@@ -100,8 +100,8 @@ def bench_decode(args):
 # ---------------------------------------------------------------------------------------------
 def stage_model(args):
     """The stage's model at the paper's size (or the offline preset) and a random batch of its shape."""
-    clip = SMALL_CLIP if args.preset == "small" else CLIPConfig()
-    n_intra = SYNTH_DEFAULTS["n_intra"] if args.preset == "small" else 9
+    clip = adapt.SMALL_CLIP if args.preset == "small" else CLIPConfig()
+    n_intra = adapt.SYNTH_DEFAULTS["n_intra"] if args.preset == "small" else 9
     encoder = CLIP4IDC(CLIP4IDCConfig(clip=clip, n_intra=n_intra))
     size, b = clip.image_size, args.batch
     lengths = torch.randint(6, 20, (b * (2 if args.stage == 2 else 1),))  # where EOT sits: CLEVR-Change-like
@@ -173,11 +173,11 @@ def bench_train(args):
 def fit_rate(args, device):
     """train.fit on real data (with --cache: the ImageStore), validation left out: the printed pairs/s."""
     pairs = data.read_split(args.data, args.data_root, "train")
-    size = SMALL_CLIP.image_size if args.preset == "small" else 224
+    size = adapt.SMALL_CLIP.image_size if args.preset == "small" else 224
     store = data.ImageStore(pairs, size, args.data_root)
     torch.manual_seed(0)
     model = stage_model(args)[0].to(device)
-    config_cls = AdaptConfig if args.stage == 1 else caption.CaptionConfig
+    config_cls = adapt.AdaptConfig if args.stage == 1 else caption.CaptionConfig
     dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, store)
     dataset = Repeat(dataset, args.fit_steps * args.batch)  # one epoch: fit writes last.pt at each epoch's end
     with tempfile.TemporaryDirectory() as out:
@@ -204,7 +204,7 @@ class Repeat(torch.utils.data.Dataset):
 
 def bench_loader(args):
     pairs = data.read_split(args.data, args.data_root, "train")
-    size = SMALL_CLIP.image_size if args.preset == "small" else 224
+    size = adapt.SMALL_CLIP.image_size if args.preset == "small" else 224
     store = data.ImageStore(pairs, size, args.data_root)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for source, load in (("PNG files", None), ("ImageStore", store)):
