@@ -119,8 +119,8 @@ def train_words(tokens):
 
 def main(argv=None):
     cfg, device = train.start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv, __doc__, AUTHORS_DEFAULTS)
-    evaluate.require_java()  # validation scores with it: refuse now, not after the first epoch
     captioner = build_captioner(cfg, device)  # before the data: flags it cannot take leave nothing on disk
+    evaluate.require_java()  # validation scores with it: refuse now, not after the first epoch
     image_size = captioner.encoder.config.clip.image_size
     splits, store = train.prepare_data(cfg, image_size)
     train_set = data.CaptionDataset(splits["train"], image_size, cfg.max_len, cfg.seed, store)

@@ -153,7 +153,8 @@ CAPTION_METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", 
 
 
 def require_java():
-    """Scoring captions runs Java: callers check first, so that no run trains or predicts for nothing."""
+    """Scoring captions runs Java: callers check once their inputs pass and before the work, so that
+    bad input is named as such on any machine, and no run trains or predicts for nothing."""
     if shutil.which("java") is None:
         raise InputError("scoring captions needs a Java runtime (METEOR and the PTB tokenizer of pycocoevalcap "
                          "run in it), but `java` is not on PATH: install one, e.g. `apt-get install "
@@ -321,13 +322,12 @@ def save_results(out, results, split=None, preds=None):
 def score_checkpoint(args, device):
     """A checkpoint over a split: a captioner's metrics (Tables 1-4), a pair encoder's retrieval (Table 7)."""
     model = clip_weights.load_checkpoint(args.ckpt, device, args.n_intra, args.heads)
-    if isinstance(model, Captioner):
-        require_java()
     written = ["metrics.json"] + [f"{args.split}_predictions.json"] * isinstance(model, Captioner)
     check_outputs([("--out_dir", Path(args.out_dir) / name) for name in written if args.out_dir], args.overwrite)
     pairs = data.read_split(args.data, args.data_root, args.split)
     if isinstance(model, Captioner):
         train_pairs = data.read_split(args.data, args.data_root, "train")
+        require_java()
         preds, results = score_captions(model, data.eval_items(pairs), train_pairs, args.split, device)
     else:
         preds, results = None, {args.split: retrieval(model, pairs, device)}
@@ -337,12 +337,12 @@ def score_checkpoint(args, device):
 
 
 def score_predictions(args):
-    require_java()
     items = data.eval_items(data.read_split(args.data, args.data_root, args.split))
     preds = read_predictions(args.predictions)
     if mismatch := id_mismatch({item.id: item.captions for item in items}, preds):
         raise InputError(f"{args.predictions}: its ids are not those of the {args.split} split of {args.data_root}: "
                          f"{mismatch}; expected one caption for each of its {len(items)} ids")
+    require_java()
     metrics = score_items(items, preds)
     print(f"{args.data} {args.split}: {len(items)} image pairs\n{format_table(metrics)}")
     if args.out:

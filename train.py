@@ -195,6 +195,10 @@ def setup_device(cfg):
         raise InputError(f"--device {cfg.device}: {torch.cuda.device_count()} CUDA GPUs are visible")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
         if device.type == "cuda":
+            if (local := int(os.environ["LOCAL_WORLD_SIZE"])) > torch.cuda.device_count():
+                raise InputError(f"torchrun started {local} processes on this machine, one a GPU, but "
+                                 f"{torch.cuda.device_count()} CUDA GPUs are visible: give --nproc_per_node "
+                                 f"{torch.cuda.device_count()} or less, or --device cpu")
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
         # A long timeout: the other processes wait while rank 0 builds the image store, validates or tests.

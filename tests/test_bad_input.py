@@ -133,6 +133,17 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_wo
     assert os.listdir(tmp_path) == []
 
 
+def test_more_torchrun_processes_than_gpus_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)  # the second process of `torchrun --nproc_per_node 2`
+    assert error_of(capsys, adapt.main).endswith("torchrun started 2 processes on this machine, one a GPU, but 1 CUDA "
+                                                 "GPUs are visible: give --nproc_per_node 1 or less, or --device cpu")
+    assert os.listdir(tmp_path) == [] and not torch.distributed.is_initialized()
+
+
 def test_an_out_dir_that_cannot_be_written_is_refused_before_any_work(root, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only disk, as root meets it too
     error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "run")
@@ -140,10 +151,12 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_any_work(root, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
-def test_caption_py_without_java_is_refused_before_any_work(root, tmp_path, capsys, monkeypatch):
+def test_caption_py_without_java_is_refused_before_any_work(root, stage_1, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # validation scores in Java, and no java is on this PATH
-    monkeypatch.setattr(caption, "build_captioner", lambda *args: pytest.fail("built a model before the refusal"))
-    error = error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "run")
+    flags = [*SMALL, "--data_root", root, "--out_dir", tmp_path / "run", "--init_from", stage_1 / "best.pt"]
+    assert error_of(capsys, caption.main, *flags, "--heads", 3).endswith("heads 3: expected a divisor of the width 64")
+    monkeypatch.setattr(train, "prepare_data", lambda *args: pytest.fail("read the data before the refusal"))
+    error = error_of(capsys, caption.main, *flags)
     assert error.endswith("scoring captions needs a Java runtime (METEOR and the PTB tokenizer of pycocoevalcap run "
                           "in it), but `java` is not on PATH: install one, e.g. `apt-get install default-jre-headless` "
                           "(Debian/Ubuntu) or `conda install openjdk`")
@@ -313,7 +326,7 @@ def test_an_unreadable_training_image_is_one_line_and_leaves_no_run_folder(root,
     image.write_bytes(image.read_bytes()[:200])
     error = error_of(capsys, adapt.main, *SMALL, "--data_root", tmp_path / "synth", "--out_dir",
                      tmp_path / "new" / "run", "--no-cache", "--workers", workers, "--max_steps", 0)
-    assert error.startswith(f"__main__.py: error: {image}: cannot read image")
+    assert error.split(": error: ", 1)[1].startswith(f"{image}: cannot read image")
     assert sorted(os.listdir(tmp_path)) == ["synth"]  # nor the folders made above the run's
 
 

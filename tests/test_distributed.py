@@ -15,8 +15,9 @@ import data
 import synth
 
 ROOT = Path(__file__).parent.parent
-STAGE_1 = ["--epochs", "1", "--max_steps", "8", "--batch_size", "8", "--workers", "0", "--save_every", "2"]
-STAGE_2 = ["--epochs", "1", "--max_steps", "4", "--batch_size", "4", "--workers", "0", "--layers", "1", "--ffn", "64",
+CPU = ["--device", "cpu", "--workers", "0"]  # gloo, on any machine: a CUDA host may have fewer GPUs than processes
+STAGE_1 = [*CPU, "--epochs", "1", "--max_steps", "8", "--batch_size", "8", "--save_every", "2"]
+STAGE_2 = [*CPU, "--epochs", "1", "--max_steps", "4", "--batch_size", "4", "--layers", "1", "--ffn", "64",
            "--dropout", "0"]  # dropout draws other masks in 2 processes than in 1
 
 
@@ -132,6 +133,7 @@ def test_each_process_draws_its_own_dropout_masks(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
     result = subprocess.run(launcher + [str(tmp_path / "dropping.py"), str(tmp_path / "out")], cwd=ROOT,
                             capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+                                [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "masks differ" in result.stdout, result.stdout[-3000:]

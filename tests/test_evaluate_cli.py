@@ -171,7 +171,10 @@ def test_scoring_captions_without_java_is_refused_before_any_work(root, ckpt, pr
     for argv in (["--predictions", preds, *clevr, "--out", tmp_path / "m.json"],
                  ["--ckpt", ckpt, *clevr, "--out_dir", tmp_path / "run"]):
         assert error_of(capsys, *argv).startswith("scoring captions needs a Java runtime")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["preds.json", "stage1.pt"]
+    evaluate.write_predictions(tmp_path / "few.json", {"000000.png": "a caption"})
+    assert " its ids are not those of the test split " in error_of(capsys, "--predictions", tmp_path / "few.json",
+                                                                   *clevr)  # bad input is named as such first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["few.json", "preds.json", "stage1.pt"]
     evaluate.main([str(a) for a in ["--ckpt", tmp_path / "stage1.pt", *clevr, "--out_dir", tmp_path / "run"]])
     assert "test" in json.loads((tmp_path / "run" / "metrics.json").read_text())  # retrieval runs no Java
 
