@@ -164,15 +164,17 @@ def check_run_folder(cfg):
 @contextmanager
 def locked(out):
     """Hold out/.lock while training (the system frees it too if the process dies), so a second run on
-    the same folder is refused rather than racing on the same files. A folder it made is removed if the
-    run ends before writing anything into it, and so are the folders made above it."""
+    the same folder is refused rather than racing on the same files. A POSIX lock (lockf), not flock:
+    the loader workers a run forks would hold a flock for seconds after the run is killed, and refuse
+    its --resume. A folder it made is removed if the run ends before writing anything into it, and so
+    are the folders made above it."""
     made = [p for p in (out, *out.parents) if not p.exists()]  # the deepest first
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:
         if fcntl:
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, as the system says it
                 raise InputError(f"{out} is in use by another run; wait for it, or give another --out_dir") from None
         try:
             yield

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -74,16 +75,48 @@ def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(root, tmp_path, ca
     assert torch.load(out / "last.pt", weights_only=True)["config"]["seed"] == 7
 
 
-def test_a_second_run_on_a_folder_in_use_is_refused(root, tmp_path, capsys):
-    import fcntl
+HOLD = """
+import multiprocessing, os, signal, sys, time
+from pathlib import Path
+import train
 
+with train.locked(Path(sys.argv[1])):  # as a run holds its folder
+    if sys.argv[2] == "killed":
+        worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+        worker.start()  # as a loader worker is, which outlives its killed run for a while
+        Path(sys.argv[1], "worker.pid").write_text(str(worker.pid))
+        os.kill(os.getpid(), signal.SIGKILL)
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def hold(out, how):
+    return subprocess.Popen([sys.executable, "-c", HOLD, str(out), how], cwd=Path(__file__).parent.parent,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused(root, tmp_path, capsys):
     out = tmp_path / "busy"
-    out.mkdir()
-    with open(out / ".lock", "w") as lock:  # as the first run holds it
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    first = hold(out, "running")
+    try:
+        assert first.stdout.readline() == "held\n"
         error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out)
+    finally:
+        first.kill()
     assert error.endswith(f"{out} is in use by another run; wait for it, or give another --out_dir")
-    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # the refused run wrote nothing
+
+
+def test_the_folder_of_a_killed_run_is_free_at_once_for_its_resume(tmp_path):
+    out = tmp_path / "killed"
+    hold(out, "killed").wait()
+    worker = int((out / "worker.pid").read_text())
+    try:
+        with train.locked(out):  # while the killed run's worker still lives
+            os.kill(worker, 0)
+    finally:
+        os.kill(worker, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------
