@@ -92,25 +92,28 @@ with train.locked(Path(sys.argv[1])):  # as a run holds its folder
 
 
 def hold(out, how):
-    return subprocess.Popen([sys.executable, "-c", HOLD, str(out), how], cwd=Path(__file__).parent.parent,
-                            stdout=subprocess.PIPE, text=True)
+    """A process holding the lock of `out`: "running" says so on its stdout; "killed" dies holding it,
+    its forked worker (which would keep a pipe open) left alive."""
+    return subprocess.Popen([sys.executable, "-c", HOLD, str(out), how], cwd=Path(__file__).parent.parent, text=True,
+                            stdout=subprocess.PIPE if how == "running" else subprocess.DEVNULL)
 
 
 def test_a_second_run_on_a_folder_in_use_is_refused(root, tmp_path, capsys):
     out = tmp_path / "busy"
-    first = hold(out, "running")
-    try:
-        assert first.stdout.readline() == "held\n"
-        error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out)
-    finally:
-        first.kill()
+    with hold(out, "running") as first:  # closes its pipe and waits for it
+        try:
+            assert first.stdout.readline() == "held\n"
+            error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out)
+        finally:
+            first.kill()
     assert error.endswith(f"{out} is in use by another run; wait for it, or give another --out_dir")
     assert sorted(p.name for p in out.iterdir()) == [".lock"]  # the refused run wrote nothing
 
 
 def test_the_folder_of_a_killed_run_is_free_at_once_for_its_resume(tmp_path):
     out = tmp_path / "killed"
-    hold(out, "killed").wait()
+    with hold(out, "killed"):
+        pass  # waits for it to die
     worker = int((out / "worker.pid").read_text())
     try:
         with train.locked(out):  # while the killed run's worker still lives
