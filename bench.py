@@ -233,18 +233,24 @@ def main():
     parser.add_argument("--preset", choices=("vit-b/32", "small"), default="vit-b/32")
     parser.add_argument("--batch", type=int, help="train, loader: batch (default: the stage's, 128 or 16)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--amp", nargs="+", default=None, help="train: precisions (default: off bf16)")
+    parser.add_argument("--amp", nargs="+", choices=("off", "bf16", "fp16"), help="train: precisions (default: off bf16)")
     parser.add_argument("--modes", nargs="+", default=["eager", "default"],
                         help="train: eager, or torch.compile modes (default, reduce-overhead, max-autotune)")
     parser.add_argument("--steps", type=int, default=20, help="train: timed steps")
     parser.add_argument("--peak_tflops", type=float, help="train: the device's dense bf16 peak, for MFU")
-    parser.add_argument("--data", default="synth", help="dataset name, as data.read_split takes it")
+    parser.add_argument("--data", default="synth", choices=("synth", "clevr", "spot", "ier"))
     parser.add_argument("--data_root", help="train: also time train.fit on this dataset; loader: the dataset")
     parser.add_argument("--fit_steps", type=int, default=200)
     parser.add_argument("--workers", type=int, default=-1, help="train: loader processes of train.fit")
     parser.add_argument("--workers_list", type=int, nargs="+", default=[1, 2, 4, 8], help="loader: worker counts")
     parser.add_argument("--seconds", type=float, default=10, help="loader: time per measurement")
     args = parser.parse_args()
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch {args.batch}: expected at least 1")
+    if args.what == "loader" and not args.data_root:
+        parser.error("loader times a dataset's loading: give its folder as --data_root")
+    if args.data_root and not Path(args.data_root).is_dir():
+        parser.error(f"--data_root {args.data_root}: expected a dataset folder")
     args.batch = args.batch or (128 if args.stage == 1 else 16)
     args.amp = args.amp or ["off", "bf16"]
     {"clip": bench_clip, "decode": bench_decode, "train": bench_train, "loader": bench_loader}[args.what](args)

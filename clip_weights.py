@@ -13,6 +13,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 import warnings
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from data import InputError
+from data import InputError, format_eta
 from model import CLIP, CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
 MODELS = {  # the SHA-256 of each file is the path component before its name
@@ -199,7 +200,10 @@ def read_state_dict(path):
     if is_torchscript(path):
         with warnings.catch_warnings():  # torch.jit is deprecated, but OpenAI's files need it
             warnings.simplefilter("ignore", FutureWarning)
-            sd = torch.jit.load(path, map_location="cpu").state_dict()
+            try:
+                sd = torch.jit.load(path, map_location="cpu").state_dict()
+            except Exception as e:  # damaged: a bad file, not a bug
+                raise InputError(f"{path}: cannot read it as a TorchScript archive ({first_line(e)})") from None
     else:
         sd = read_checkpoint(path)
     if not isinstance(sd, dict):
@@ -288,7 +292,8 @@ def download(url, root=CACHE_DIR):
         with os.fdopen(fd, "wb") as out:
             digest = fetch(url, out, target)
         if digest != expected:
-            raise RuntimeError(f"{url}: downloaded file has SHA-256 {digest}, expected {expected}; nothing was cached")
+            raise ConnectionError(f"{url}: the downloaded file has SHA-256 {digest}, expected {expected}; nothing "
+                                  "was cached, try again")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -298,7 +303,7 @@ def download(url, root=CACHE_DIR):
 
 def fetch(url, out, target):
     """Stream `url` into the open file `out` with a progress line on stderr; return the SHA-256."""
-    digest = hashlib.sha256()
+    digest, start = hashlib.sha256(), time.time()
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
             total = int(response.headers.get("Content-Length") or 0)
@@ -307,18 +312,20 @@ def fetch(url, out, target):
                 out.write(chunk)
                 digest.update(chunk)
                 done += len(chunk)
-                progress(target.name, done, total)
+                progress(target.name, done, total, start)
     except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        there = ", in place of the file there, whose SHA-256 differs" if target.is_file() else ""
         raise ConnectionError(f"cannot download {url} ({e}). No network? Download the file elsewhere "
-                              f"and put it at {target}") from e
+                              f"and put it at {target}{there}") from e
     print(file=sys.stderr)
     return digest.hexdigest()
 
 
-def progress(name, done, total):
+def progress(name, done, total, start):
     percent = f"{100 * done / total:3.0f}% " if total else ""
     size = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB" if total else f"{done / 1e6:.1f} MB"
-    print(f"\rdownloading {name}: {percent}({size})", end="", file=sys.stderr, flush=True)
+    eta = f", eta {format_eta((total - done) * (time.time() - start) / done)}" if total else ""
+    print(f"\rdownloading {name}: {percent}({size}{eta})", end="", file=sys.stderr, flush=True)
 
 
 def sha256(path):

@@ -6,6 +6,7 @@ The synthetic CLEVR-Change of the offline default is written by synth.py in CLEV
 and read here like the real one.
 """
 import functools
+import glob
 import gzip
 import hashlib
 import html
@@ -14,6 +15,8 @@ import logging
 import multiprocessing
 import os
 import random
+import shutil
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -225,6 +228,9 @@ def read_clevr(root, split):
     (change, change_path), (no_change, no_change_path), (types, types_path) = (
         read_json("clevr", root / f"{name}.json") for name in ("change_captions", "no_change_captions", "type_mapping"))
     for kind, names in types.items():
+        if PAPER_TYPE_NAME.get(kind, kind) not in CHANGE_TYPES[:5]:
+            raise InputError(f"{types_path}: change type {kind!r}; expected CLEVR-Change's color, material, add, "
+                             "drop, move")
         if not strings(names):
             raise InputError(f"{types_path}: {kind!r}: expected a list of image names such as \"000001.png\", "
                              f"got {json.dumps(names):.80}")
@@ -377,8 +383,8 @@ class ImageStore:
         if not (whole and read_index(index_path) == index):
             index_path.unlink(missing_ok=True)  # the index goes last: it vouches for the pixels
             build_store(self.path, files, size)
-            index_path.with_suffix(f".{os.getpid()}.tmp").write_text(json.dumps(index))
-            os.replace(index_path.with_suffix(f".{os.getpid()}.tmp"), index_path)
+            index_path.with_suffix(f".{writer_tag()}.tmp").write_text(json.dumps(index))
+            os.replace(index_path.with_suffix(f".{writer_tag()}.tmp"), index_path)
 
     def __call__(self, path, size):
         if size != self.size:
@@ -401,9 +407,36 @@ def stamp(path):
     return info.st_size, info.st_mtime_ns
 
 
+def writer_tag():
+    """`host-pid`, in the name of a file while it is written: two runs may write at once (the last one
+    wins), and a later run can tell what a killed one left from what a live one is writing."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_leftovers(path, suffix):
+    """Remove the `<path>.<host-pid>.<suffix>` files or folders of writers on this machine that no longer
+    run: SIGKILL, and SIGTERM too, end a process without its clean-up (at full scale, tens of GB)."""
+    path, host = Path(path), socket.gethostname()
+    for leftover in path.parent.glob(f"{glob.escape(path.name)}.{glob.escape(host)}-*.{suffix}"):
+        pid = leftover.name[:-len(suffix) - 1].rsplit("-", 1)[1]
+        if pid.isdigit() and not running(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+
+
+def running(pid):
+    try:
+        os.kill(pid, 0)  # no signal is sent: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def build_store(path, files, size):
     """Decode and resize `files` on every core into the uint8 file `path`, written whole or not at all."""
-    tmp, start = Path(f"{path}.{os.getpid()}.tmp"), time.time()  # two runs may build at once: last one wins
+    remove_leftovers(path, "tmp")
+    tmp, start = Path(f"{path}.{writer_tag()}.tmp"), time.time()
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         pixels = np.memmap(tmp, np.uint8, "w+", shape=(len(files), 3, size, size))

@@ -42,7 +42,7 @@ from model import Captioner
 # ---------------------------------------------------------------------------------------------
 # Retrieval: image pair -> text (IP-T) and text -> image pair (T-IP), Tables 6 and 7
 # ---------------------------------------------------------------------------------------------
-RECALL_AT = (1, 5, 10)
+RECALL_AT = (1, 5, 10, 20, 50)  # Table 7 and CLEVR-Change / IER in Table 6: 1, 5, 10; Spot-the-Diff: 10, 20, 50
 EVAL_BATCH = 64
 
 
@@ -110,7 +110,7 @@ def retrieval_metrics(sim, text_pair):
 
 
 def format_retrieval(metrics):
-    """The retrieval figures laid out like Table 7: R@1 R@5 R@10 MdR MnR in each direction."""
+    """The retrieval figures laid out like Table 7, with Table 6's R@20 and R@50: a row per direction."""
     columns = [f"R@{k}" for k in RECALL_AT] + ["MdR", "MnR"]
     rows = [f"{'':<20}" + "".join(f"{c:>8}" for c in columns)]
     for name, key in (("Image Pair => Text", "pair_to_text"), ("Text => Image Pair", "text_to_pair")):
@@ -178,10 +178,12 @@ def check_ids(refs, preds):
 
 
 def ptb_tokenize(refs, preds):
-    """Lower-case, PTB-tokenize and strip punctuation, in one Java call for refs and preds alike."""
+    """Lower-case, PTB-tokenize and strip punctuation, in one Java call for refs and preds alike.
+    The tokenizer reads one caption a line: a line break inside one (a carriage return, U+2028, ...)
+    would shift every later caption onto another pair's, so all whitespace becomes single spaces first."""
     require_java()
-    captions = {("ref", k): [{"caption": c} for c in v] for k, v in refs.items()}
-    captions.update({("pred", k): [{"caption": c}] for k, c in preds.items()})
+    captions = {("ref", k): [{"caption": " ".join(c.split())} for c in v] for k, v in refs.items()}
+    captions.update({("pred", k): [{"caption": " ".join(c.split())}] for k, c in preds.items()})
     tokens = PTBTokenizer().tokenize(captions)
     return {k: tokens[("ref", k)] for k in refs}, {k: tokens[("pred", k)] for k in refs}
 
@@ -285,6 +287,7 @@ def read_predictions(path):
     for n, r in enumerate(results):
         if not (isinstance(r, dict) and isinstance(r.get("image_id"), (str, int)) and isinstance(r.get("caption"), str)):
             raise InputError(f"{path}: entry {n} is not an object with an image_id and a caption string: {json.dumps(r):.80}")
+        data.caption_list([r["caption"]], path, f"entry {n}")  # a lone surrogate, valid JSON, breaks the scorers
         if r["image_id"] in preds:
             raise InputError(f"{path}: more than one caption for image_id {r['image_id']!r}")
         preds[r["image_id"]] = r["caption"]
@@ -405,7 +408,7 @@ def main(argv=None):
     parser.add_argument("--predictions", help='score this COCO results json: [{"image_id", "caption"}, ...]')
     parser.add_argument("--ckpt", help="run this checkpoint: best.pt or last.pt of adapt.py or caption.py, "
                         "or the authors' pytorch_model.bin.*")
-    parser.add_argument("--data", default="clevr", choices=("clevr", "spot", "ier", "synth"), help="(default: clevr)")
+    parser.add_argument("--data", choices=("clevr", "spot", "ier", "synth"), help="with --data_root (default: clevr)")
     parser.add_argument("--data_root", help="dataset folder: score --predictions, or --ckpt over --split")
     parser.add_argument("--split", help="with --data_root: the split to score (default: test)")
     parser.add_argument("--pair", nargs=2, metavar=("BEFORE", "AFTER"), help="with --ckpt: caption these two images")
@@ -414,9 +417,9 @@ def main(argv=None):
     parser.add_argument("--out", help="write here the metrics json (--predictions) or the captions (--pairs)")
     parser.add_argument("--out_dir", help="with --ckpt --data_root: write metrics.json and <split>_predictions.json here")
     parser.add_argument("--overwrite", action="store_true", help="replace existing --out, --out_dir or --attention files")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
-    parser.add_argument("--n_intra", type=int, default=9, help="with an authors' --ckpt: layers that see one image (default: 9)")
-    parser.add_argument("--heads", type=int, default=8, help="with an authors' stage-2 --ckpt: the captioner's heads (default: 8)")
+    parser.add_argument("--device", help="with --ckpt: auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--n_intra", type=int, help="with an authors' --ckpt: layers that see one image (default: 9)")
+    parser.add_argument("--heads", type=int, help="with an authors' stage-2 --ckpt: the captioner's heads (default: 8)")
     args = parser.parse_args(argv)
 
     modes = [name for name in ("predictions", "pair", "pairs") if getattr(args, name)]
@@ -426,18 +429,22 @@ def main(argv=None):
         parser.error("give --predictions with --data_root, or --ckpt with one of --pair, --pairs, --data_root")
     if args.predictions and not args.data_root:
         parser.error("--predictions needs --data_root, the dataset it scores against")
-    uses = {"predictions": ("out", "split"), "data_root": ("out_dir", "split"), "pair": ("attention",), "pairs": ("out",)}
-    for flag in ("out", "out_dir", "split", "attention"):
+    ckpt = ("device", "n_intra", "heads")
+    uses = {"predictions": ("data", "data_root", "split", "out"),
+            "data_root": ("data", "data_root", "split", "out_dir", *ckpt), "pair": ("attention", *ckpt),
+            "pairs": ("out", *ckpt)}
+    for flag in ("data", "data_root", "split", "out", "out_dir", "attention", *ckpt):
         if getattr(args, flag) is not None and flag not in uses[modes[0]]:
             mode = "--ckpt --data_root" if modes[0] == "data_root" else f"--{modes[0]}"
             takes = ", ".join(f"--{f}" for f in uses[modes[0]])
             raise InputError(f"--{flag} has no use with {mode}, which takes {takes}")
-    args.split = args.split or "test"
+    defaults = dict(data="clevr", split="test", device="auto", n_intra=9, heads=8)
+    vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     if args.attention and Path(args.attention).suffix.lower() not in Image.registered_extensions():
         parser.error(f"--attention {args.attention}: expected an image file name, such as attention.png")
-    for out in (args.out, args.out_dir and Path(args.out_dir) / "metrics.json"):
+    for flag, out in (("--out", args.out), ("--out_dir", args.out_dir and Path(args.out_dir) / "metrics.json")):
         if out and Path(out).is_dir():
-            parser.error(f"{out} is a folder: --out names the file to write")
+            parser.error(f"{out} is a folder: expected a file to write ({flag})")
     check_outputs([("--out", args.out), ("--attention", args.attention)], args.overwrite)
     if args.predictions:
         return score_predictions(args)

@@ -266,7 +266,8 @@ class CLIP4IDC(nn.Module):
 
     @staticmethod
     def pool(tokens):
-        """Eq. 5: v is the mean of the two class tokens' outputs (positions 1 and n+2)."""
+        """Eq. 5: v is the mean of the two class tokens' outputs (the paper's positions 1 and n+2, 0-based
+        0 and n+1)."""
         return (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2
 
     def encode_text(self, tokens):

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data import InputError, check_writable
+from data import InputError, check_writable, read_json, remove_leftovers, writer_tag
 
 log = logging.getLogger("synth")
 
@@ -207,7 +207,8 @@ def write_synth(out, n_pairs, seed, workers=None):
         raise InputError(f"--pairs {n_pairs}: expected at least {MIN_PAIRS}, for non-empty val and test splits")
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new folder for the synthetic dataset")
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")  # renamed when whole: a killed run leaves no dataset
+    remove_leftovers(out, "partial")
+    tmp = out.with_name(f"{out.name}.{writer_tag()}.partial")  # renamed when whole: a killed run leaves no dataset
     files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
     workers = workers or min(os.cpu_count() or 1, 1 + n_pairs // 500)
     try:
@@ -247,7 +248,7 @@ def ensure_synth(root, pairs=PAIRS, seed=0):
         log.warning("generating %d synthetic CLEVR-Change pairs in %s", pairs, root)
         write_synth(root, pairs, seed)
         return root
-    held = len(json.loads((root / "scenes.json").read_text())) if (root / "scenes.json").is_file() else pairs
+    held = len(read_json("clevr", root / "scenes.json")[0]) if (root / "scenes.json").is_file() else pairs
     if held != pairs:
         log.warning("%s holds %d pairs, not the %d asked for: delete it to generate those", root, held, pairs)
     return root

@@ -84,10 +84,14 @@ def field_help(config_cls):
 
 def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors_defaults=None):
     """Every dataclass field becomes a flag; `--data synth` first applies `synth_defaults`, and
-    `--recipe authors` then `authors_defaults`: flags given on the command line win over both."""
+    `--recipe authors` then `authors_defaults[data]`: flags given on the command line win over both."""
     authors_defaults = authors_defaults or {}
-    epilog = "--data synth (the offline default) sets: " + ", ".join(f"--{k} {v}" for k, v in synth_defaults.items())
-    epilog += "".join(f"; --recipe authors sets --{k} {v}" for k, v in authors_defaults.items())
+
+    def flags(preset):
+        return ", ".join(f"--{'' if v else 'no-'}{k}" if isinstance(v, bool) else f"--{k} {v}"
+                         for k, v in preset.items())
+    epilog = f"--data synth (the offline default) sets: {flags(synth_defaults)}"
+    epilog += "".join(f"; --recipe authors with --data {d} sets: {flags(p)}" for d, p in authors_defaults.items())
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=epilog)
     comments = field_help(config_cls)
@@ -101,7 +105,8 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors
             parser.add_argument(f"--{f.name}", type=type(f.default), choices=choices, **kind)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     cfg = config_cls(**given)
-    presets = {**(synth_defaults if cfg.data == "synth" else {}), **(authors_defaults if cfg.recipe == "authors" else {})}
+    presets = {**(synth_defaults if cfg.data == "synth" else {}),
+               **(authors_defaults.get(cfg.data, {}) if cfg.recipe == "authors" else {})}
     cfg = dataclasses.replace(cfg, **{**presets, **given})
     for name, (low, high) in LIMITS.items():
         value = getattr(cfg, name, None)
@@ -138,6 +143,18 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
 RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")
 
 
+def differences(saved, now, prefix=""):
+    """{name: (saved, now)} of the values in `now` that `saved` holds otherwise; nested dicts name theirs
+    "encoder.n_intra"."""
+    changed = {}
+    for k, value in now.items():
+        if isinstance(value, dict) and isinstance(saved.get(k), dict):
+            changed |= differences(saved[k], value, f"{prefix}{k}.")
+        elif saved.get(k) != value:
+            changed[prefix + k] = (saved.get(k), value)
+    return changed
+
+
 def check_run_folder(cfg):
     """--out_dir may hold an earlier run only with --resume (same settings) or --overwrite."""
     out = Path(cfg.out_dir)
@@ -152,7 +169,7 @@ def check_run_folder(cfg):
         if not (isinstance(saved, dict) and {"config", "state", "rng", "model", "optimizer"} <= saved.keys()):
             raise InputError(f"--resume: {out / 'last.pt'} is not a last.pt of adapt.py or caption.py")
         saved = saved["config"]
-        changed = {k: (saved.get(k), v) for k, v in asdict(cfg).items() if k not in RESUME_FREE and saved.get(k) != v}
+        changed = {k: v for k, v in differences(saved, asdict(cfg)).items() if k not in RESUME_FREE}
         if changed:
             raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
                              f"{changed}; resume with the same ones")
@@ -364,10 +381,16 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def resume(path, run):
+def resume(path, run, samples, shape):
     """Restore model, optimiser, schedule, grad scaler and RNG from last.pt (whose settings
     check_run_folder compared); return the loop's state."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if changed := differences(ckpt["model_config"], shape):  # the same weights fit another layer split
+        raise InputError(f"--resume: {path} holds a model of another shape than the one built now, (saved, now): "
+                         f"{changed}; resume from the same stage-1 file")
+    if ckpt["state"].get("samples", samples) != samples:  # --data_root may move, but the data order needs its size
+        raise InputError(f"--resume: {path} trained on {ckpt['state']['samples']} samples, the data now holds "
+                         f"{samples}: resume on the same data")
     for name, obj in run.items():
         if obj is not None and (name in ckpt or name != "scaler"):  # onto fp16 from a run without: a new scaler
             obj.load_state_dict(ckpt[name])
@@ -417,7 +440,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     optimizer = make_optimizer(model, new_names, cfg)
     schedule = make_schedule(optimizer, total, cfg.warmup, decay)
     run = dict(model=model, optimizer=optimizer, schedule=schedule, scaler=scaler)  # all that last.pt restores
-    state = dict(step=0, best=-math.inf, best_epoch=0, history=[], stopped=False, before=before)
+    state = dict(step=0, best=-math.inf, best_epoch=0, history=[], stopped=False, before=before, samples=len(train_set))
     if distributed():  # the processes built the same model; their dropout masks must differ, as within one batch
         torch.manual_seed(cfg.seed + rank())
     net = DistributedDataParallel(model) if distributed() else model  # gradients averaged over processes
@@ -469,7 +492,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                 leftover.unlink()  # a killed write's
         barrier()
         if cfg.resume:
-            state = resume(out / "last.pt", run)
+            state = resume(out / "last.pt", run, len(train_set), saved["model_config"])
         while state["step"] < total and not state["stopped"]:
             epoch, done = divmod(state["step"], steps_per_epoch)
             sampler.set_epoch(epoch, skip=done * cfg.batch_size)

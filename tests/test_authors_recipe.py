@@ -57,13 +57,23 @@ def test_stage_1_loss_is_half_the_default_one():
     assert authors(before, after, tokens).item() == pytest.approx(paper(before, after, tokens).item() / 2, rel=1e-6)
 
 
-def test_stage_2_flags_give_32_decoding_steps_after_sot_and_a_full_run():
-    cfg = train.parse_config(caption.CaptionConfig, caption.SYNTH_DEFAULTS, "caption", ["--recipe", "authors"],
-                             authors_defaults=caption.AUTHORS_DEFAULTS)
-    assert (cfg.max_len, cfg.patience) == (33, 0)
-    cfg = train.parse_config(caption.CaptionConfig, caption.SYNTH_DEFAULTS, "caption",
-                             ["--recipe", "authors", "--max_len", "32"], authors_defaults=caption.AUTHORS_DEFAULTS)
-    assert cfg.max_len == 32  # a flag given wins over the recipe
+def settings(stage, *argv):
+    config = adapt.AdaptConfig if stage is adapt else caption.CaptionConfig
+    return train.parse_config(config, stage.SYNTH_DEFAULTS, "run", list(argv),
+                              authors_defaults=stage.AUTHORS_DEFAULTS)
+
+
+def test_the_recipe_takes_the_settings_of_their_script_for_each_dataset():
+    authors = ["--recipe", "authors"]
+    assert [settings(adapt, "--data", d, *authors).epochs for d in ("clevr", "spot")] == [12, 20]
+    assert settings(adapt, "--data", "spot").epochs == 12  # the paper's
+    assert [settings(caption, "--data", d, *authors).seed for d in ("clevr", "spot", "ier")] == [2021, 42, 42]
+    clevr = settings(caption, "--data", "clevr", *authors)
+    assert (clevr.max_len, clevr.patience) == (33, 11)  # their loop ends after 11 epochs without a better CIDEr
+    assert settings(caption, "--data", "clevr", *authors, "--seed", "1").seed == 1  # flags win
+
+
+def test_stage_2_recipe_decodes_32_steps_after_sot():
     captioner = caption.Captioner(small_encoder("paper"), caption.captioner_config(
         caption.CaptionConfig(layers=1, heads=2, ffn=32, max_len=33)))
     with torch.no_grad():
@@ -93,7 +103,9 @@ def table_row(setting):
 def test_readme_table_says_what_the_code_does():
     frozen_row = table_row("frozen CLIP parameters, both stages").split("|")[3]
     assert set(re.findall(r"`([\w.]+)`", frozen_row)) == set(train.AUTHORS_FROZEN)
-    for flag, value in caption.AUTHORS_DEFAULTS.items():
-        assert f"`--{flag} {value}`" in README
-        assert f"`--{flag} {getattr(caption.CaptionConfig, flag)}`" in README  # beside the default it replaces
+    for stage, config in ((adapt, adapt.AdaptConfig), (caption, caption.CaptionConfig)):
+        for preset in stage.AUTHORS_DEFAULTS.values():
+            for flag, value in preset.items():
+                assert f"`--{flag} {value}`" in README
+                assert f"`--{flag} {getattr(config, flag)}`" in README  # beside the default it replaces
     assert "(IP-T + T-IP) / 2" in table_row("stage-1 loss")

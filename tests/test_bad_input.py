@@ -4,6 +4,7 @@ nothing on disk changes; or it is handled as the user meant it."""
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import torch
 from PIL import Image
 
 import adapt
+import bench
 import caption
 import clip_weights
 import data
@@ -208,6 +210,19 @@ def test_synth_py_refuses_an_out_it_cannot_write(tmp_path):
     assert "Traceback" not in result.stderr and sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["loader"], "loader times a dataset's loading: give its folder as --data_root"),
+    (["loader", "--data_root", "nowhere"], "--data_root nowhere: expected a dataset folder"),
+    (["train", "--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
+    (["train", "--batch", "0"], "--batch 0: expected at least 1"),
+])
+def test_bench_py_refuses_bad_flags_in_one_line(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
+    with pytest.raises(SystemExit) as exit:
+        bench.main()
+    assert exit.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_1, tmp_path, capsys):
     assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
                     stage_1 / "best.pt", "--heads", 3).endswith("heads 3: expected a divisor of the width 64")
@@ -227,9 +242,8 @@ def test_a_failed_download_is_one_line(root, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "a").exists()
 
 
-def test_help_describes_every_flag_and_what_synth_changes(capsys):
-    for run, config, synth_defaults in ((adapt.main, adapt.AdaptConfig, adapt.SYNTH_DEFAULTS),
-                                        (caption.main, caption.CaptionConfig, caption.SYNTH_DEFAULTS)):
+def test_help_describes_every_flag_and_what_synth_and_the_recipe_change(capsys):
+    for run, config, stage in ((adapt.main, adapt.AdaptConfig, adapt), (caption.main, caption.CaptionConfig, caption)):
         with pytest.raises(SystemExit):
             run(["--help"])
         text = " ".join(capsys.readouterr().out.split())
@@ -238,7 +252,12 @@ def test_help_describes_every_flag_and_what_synth_changes(capsys):
             assert descriptions.get(name), f"--{name} has no description"
             assert descriptions[name] + ("" if default == "" else f" (default: {default})") in text, name
         assert "--amp {auto,bf16,fp16,off}" in text and "--data {synth,clevr,spot,ier}" in text
-        assert "--data synth (the offline default) sets: " + ", ".join(f"--{k} {v}" for k, v in synth_defaults.items()) in text
+        presets = [stage.SYNTH_DEFAULTS, *stage.AUTHORS_DEFAULTS.values()]
+        listed = re.findall(r"sets: (.*?)(?:;|$)", text)  # each as flags to paste, in the order of `presets`
+        assert len(listed) == len(presets)
+        for flags, preset in zip(listed, presets):
+            cfg = train.parse_config(config, {}, "run", ["--data", "clevr", *flags.replace(",", "").split()])
+            assert {k: getattr(cfg, k) for k in preset} == preset
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,6 +293,28 @@ def test_resume_from_a_damaged_last_pt_is_refused(root, stage_1, tmp_path, capsy
     damage(out / "last.pt", out / "best.pt")
     before = snapshot(out)
     assert message in error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out, "--resume")
+    assert snapshot(out) == before
+
+
+def test_resume_on_other_data_is_refused(stage_1, tmp_path, capsys):
+    synth.write_synth(tmp_path / "other", 40, seed=2)  # --data_root may move, but this data is not the run's
+    before = snapshot(stage_1)
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", tmp_path / "other", "--out_dir", stage_1, "--resume")
+    assert error.endswith(f"--resume: {stage_1 / 'last.pt'} trained on 120 samples, the data now holds 160: "
+                          "resume on the same data")
+    assert snapshot(stage_1) == before
+
+
+def test_resume_into_a_model_of_another_shape_is_refused(root, stage_1, tmp_path, capsys):
+    out = tmp_path / "run"  # as if --init_from had named a stage 1 of 2 + 2 layers then, and one of 1 + 3 now
+    out.mkdir()
+    last = torch.load(stage_1 / "last.pt", weights_only=True)
+    last["model_config"]["encoder"]["n_intra"] = 1
+    torch.save(last, out / "last.pt")
+    before = snapshot(out)
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out, "--resume")
+    assert error.endswith(f"--resume: {out / 'last.pt'} holds a model of another shape than the one built now, "
+                          "(saved, now): {'encoder.n_intra': (1, 2)}; resume from the same stage-1 file")
     assert snapshot(out) == before
 
 
@@ -366,6 +407,19 @@ def test_an_unreadable_training_image_is_one_line_and_leaves_no_run_folder(root,
     assert sorted(os.listdir(tmp_path)) == ["synth"]  # nor the folders made above the run's
 
 
+def test_an_unreadable_test_image_met_after_training_says_where_the_trained_model_is(root, stage_1, tmp_path, capsys):
+    shutil.copytree(root, tmp_path / "synth", ignore=shutil.ignore_patterns("store_*"))
+    image = tmp_path / "synth" / "sc_images" / "CLEVR_semantic_000028.png"  # a test pair's, read after training
+    image.write_bytes(image.read_bytes()[:200])
+    out = tmp_path / "run"
+    error = error_of(capsys, caption.main, *SMALL, "--data_root", tmp_path / "synth", "--out_dir", out, "--no-cache",
+                     "--init_from", stage_1 / "best.pt", "--layers", 1, "--ffn", 32)
+    assert error.split(": error: ", 1)[1].startswith(f"{image}: cannot read image")
+    assert error.endswith(f"; the trained model is in {out}/best.pt: once mended, score it with `python evaluate.py "
+                          f"--ckpt {out}/best.pt --data synth --data_root {tmp_path / 'synth'} --out_dir {out}`")
+    assert (out / "best.pt").is_file()
+
+
 def test_a_decompression_bomb_is_an_unreadable_image(tmp_path, monkeypatch):
     Image.new("RGB", (64, 64)).save(tmp_path / "big.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 64 * 64 // 4)  # twice that and more: Pillow refuses
@@ -427,6 +481,7 @@ def test_a_clip_file_that_is_not_clip_is_named(root, tmp_path, capsys):
     (b'[{"image_id": "000000.png", "caption": "y"}, {"image_id": "x"}]', 'entry 1 is not an object with an image_id '
                                                                          'and a caption string: {"image_id": "x"}'),
     (b'[{"image_id": "x", "caption": 3}]', "entry 0 is not an object with an image_id and a caption string"),
+    (b'[{"image_id": "x", "caption": "a \\ud800 b"}]', 'entry 0: a caption holds the lone surrogate "\\ud800"'),
 ])
 def test_prediction_files_are_checked(root, tmp_path, capsys, content, message):
     (tmp_path / "preds.json").write_bytes(content)
@@ -450,8 +505,13 @@ def test_command_line_combinations_are_checked(root, stage_1, tmp_path, capsys):
         capsys, evaluate.main, "--ckpt", stage_1 / "best.pt", "--pair", image, image, "--attention", tmp_path / "fig")
     assert "give --predictions with --data_root, or --ckpt with one of" in error_of(
         capsys, evaluate.main, "--predictions", preds, "--ckpt", stage_1 / "best.pt", "--pair", image, image)
-    assert f"{tmp_path} is a folder: --out names the file to write" in error_of(
+    assert f"{tmp_path} is a folder: expected a file to write (--out)" in error_of(
         capsys, evaluate.main, "--predictions", preds, "--data", "synth", "--data_root", root, "--out", tmp_path)
+    (tmp_path / "run" / "metrics.json").mkdir(parents=True)
+    assert f"{tmp_path / 'run' / 'metrics.json'} is a folder: expected a file to write (--out_dir)" in error_of(
+        capsys, evaluate.main, "--ckpt", stage_1 / "best.pt", "--data", "synth", "--data_root", root,
+        "--out_dir", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run")
     assert "--pairs 5: expected at least 10, for non-empty val and test splits" in error_of(
         capsys, lambda argv: synth.write_synth(tmp_path / "s", 5, 0))
     assert not (tmp_path / "s").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]

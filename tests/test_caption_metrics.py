@@ -76,6 +76,16 @@ def test_per_type_cider():
     assert cider["color"] == 100 * Cider().compute_score(gts, res)[0]
 
 
+def test_a_line_break_inside_a_caption_scores_as_a_space():
+    refs, types = clevr_fixture()
+    preds = {k: v[0] for k, v in refs.items()}
+    broken = dict(preds, color0=preds["color0"].replace(" ", "\r", 1), add1=preds["add1"].replace(" ", "\u2028 ", 1))
+    refs_broken = dict(refs, drop0=[refs["drop0"][0].replace(" ", "\r\n", 1), *refs["drop0"][1:]])
+    expected = per_type_cider(refs, preds, types)
+    assert all(expected[t] > 100 for t in CHANGE_TYPES[:5])  # the five change types, scored perfectly
+    assert per_type_cider(refs_broken, broken, types) == expected  # without the fix: every later pair shifts
+
+
 def test_bad_requests_are_explained():
     with pytest.raises(ValueError, match=r"unknown metrics \['SPICE'\]"):
         caption_metrics(REFS, PREDS, only=("CIDEr", "SPICE"))

@@ -214,6 +214,8 @@ def test_unknown_dataset_is_refused(tmp_path):
     ("type_mapping", {"color": 1}, "type_mapping.json: 'color': expected a list of image names such as "
                                    "\"000001.png\", got 1"),
     ("type_mapping", {"color": "000001.png"}, "type_mapping.json: 'color': expected a list of image names"),
+    ("type_mapping", {"added": ["000001.png"]}, "type_mapping.json: change type 'added'; expected CLEVR-Change's "
+                                                "color, material, add, drop, move"),
 ])
 def test_clevr_json_of_the_wrong_shape_is_named(tmp_path, name, content, message):
     write_clevr(tmp_path)

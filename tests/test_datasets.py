@@ -2,6 +2,9 @@
 swaps, determinism, workers."""
 import json
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ from PIL import Image
 from torchvision import transforms
 
 import data
+import synth
 from tiny import tiny_clip_config
 from model import VisionTransformer
 
@@ -91,6 +95,23 @@ def test_image_store_serves_a_replaced_file_anew(tmp_path):
     assert os.stat(path).st_size == stat.st_size
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     assert colour_of(data.ImageStore(pairs, 16, tmp_path / "s")(path, 16)) == "blue"
+
+
+def test_what_killed_writers_left_is_removed_by_the_next_one(tmp_path):
+    ended = subprocess.Popen([sys.executable, "-c", ""])
+    ended.wait()  # its pid now names no process: a writer killed before its clean-up ran
+    host, folder = socket.gethostname(), tmp_path / "s"
+    folder.mkdir()
+    killed, live, elsewhere = (folder / f"store_16px.u8.{tag}.tmp" for tag in
+                               (f"{host}-{ended.pid}", f"{host}-{os.getppid()}", f"{host}x-{ended.pid}"))
+    for leftover in (killed, live, elsewhere):
+        leftover.write_bytes(b"half an image store")
+    data.ImageStore(write_clevr(tmp_path / "d"), 16, folder)
+    assert not killed.exists() and live.exists() and elsewhere.exists()  # the others' writers may still run
+    drawing = tmp_path / f"synth.{host}-{ended.pid}.partial"
+    (drawing / "images").mkdir(parents=True)
+    synth.write_synth(tmp_path / "synth", 10, seed=0)
+    assert sorted(p.name for p in tmp_path.glob("synth*")) == ["synth"]
 
 
 READ_ARRAY = data.read_array

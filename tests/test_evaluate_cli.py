@@ -139,14 +139,19 @@ def test_a_flag_the_chosen_command_does_not_use_is_refused(root, ckpt, preds, tm
     (tmp_path / "pairs.txt").write_text(f"{before} {after}\n")
     clevr = ["--data", "clevr", "--data_root", root]
     earlier = snapshot(tmp_path)
+    with_ckpt = "--device, --n_intra, --heads"
     assert error_of(capsys, "--ckpt", ckpt, *clevr, "--out", tmp_path / "m.json") == (
-        "--out has no use with --ckpt --data_root, which takes --out_dir, --split")
+        f"--out has no use with --ckpt --data_root, which takes --data, --data_root, --split, --out_dir, {with_ckpt}")
     assert error_of(capsys, "--predictions", preds, *clevr, "--out_dir", tmp_path / "run") == (
-        "--out_dir has no use with --predictions, which takes --out, --split")
+        "--out_dir has no use with --predictions, which takes --data, --data_root, --split, --out")
+    assert error_of(capsys, "--predictions", preds, *clevr, "--device", "cpu") == (
+        "--device has no use with --predictions, which takes --data, --data_root, --split, --out")
     assert error_of(capsys, "--ckpt", ckpt, "--pair", before, after, "--split", "val") == (
-        "--split has no use with --pair, which takes --attention")
+        f"--split has no use with --pair, which takes --attention, {with_ckpt}")
+    assert error_of(capsys, "--ckpt", ckpt, "--pair", before, after, *clevr) == (
+        f"--data has no use with --pair, which takes --attention, {with_ckpt}")
     assert error_of(capsys, "--ckpt", ckpt, "--pairs", tmp_path / "pairs.txt", "--attention", tmp_path / "a.png") == (
-        "--attention has no use with --pairs, which takes --out")
+        f"--attention has no use with --pairs, which takes --out, {with_ckpt}")
     assert snapshot(tmp_path) == earlier
 
 

@@ -19,7 +19,7 @@ def test_adapt_then_caption_then_evaluate(tmp_path, capsys):
     retrieval = json.loads((tmp_path / "adapt" / "metrics.json").read_text())
     assert set(retrieval) == {"val", "test", "test_step0"}
     for direction in ("pair_to_text", "text_to_pair"):
-        assert set(retrieval["test"][direction]) == {"R@1", "R@5", "R@10", "MdR", "MnR"}
+        assert set(retrieval["test"][direction]) == {"R@1", "R@5", "R@10", "R@20", "R@50", "MdR", "MnR"}
     out = capsys.readouterr().out
     assert "epoch 1/1 step 15/15 loss" in out and "pairs/s" in out and "eta" in out and "temp" in out
     assert "with zero adaptation steps, chance 16.7" in out

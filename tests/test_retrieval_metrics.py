@@ -29,9 +29,10 @@ def test_hand_computed_ranks():
     assert m["text_to_pair"] == rank_summary(TEXT_TO_PAIR_RANKS)
     assert m["pair_to_text"] == rank_summary(PAIR_TO_TEXT_RANKS)
     assert m["text_to_pair"] == pytest.approx(
-        {"R@1": 100 / 6, "R@5": 100.0, "R@10": 100.0, "MdR": 3.0, "MnR": 2.5})
+        {"R@1": 100 / 6, "R@5": 100.0, "R@10": 100.0, "R@20": 100.0, "R@50": 100.0, "MdR": 3.0, "MnR": 2.5})
     # Even count: the median is the mean of the middle two ranks, 2 and 4.
-    assert m["pair_to_text"] == {"R@1": 25.0, "R@5": 100.0, "R@10": 100.0, "MdR": 3.0, "MnR": 2.75}
+    assert m["pair_to_text"] == {"R@1": 25.0, "R@5": 100.0, "R@10": 100.0, "R@20": 100.0, "R@50": 100.0,
+                                 "MdR": 3.0, "MnR": 2.75}
 
 
 def test_torch_input_matches_numpy():
@@ -48,9 +49,9 @@ def test_constant_scores_get_the_worst_rank():
     assert m["pair_to_text"]["R@1"] == m["text_to_pair"]["R@1"] == 0.0
 
 
-def test_recall_cutoffs():
-    assert rank_summary([1, 5, 6, 10, 11, 2]) == pytest.approx(
-        {"R@1": 100 / 6, "R@5": 50.0, "R@10": 500 / 6, "MdR": 5.5, "MnR": 35 / 6})
+def test_recall_cutoffs_of_tables_6_and_7():
+    assert rank_summary([1, 5, 6, 10, 11, 2, 20, 21, 50, 51]) == pytest.approx(
+        {"R@1": 10.0, "R@5": 30.0, "R@10": 50.0, "R@20": 70.0, "R@50": 90.0, "MdR": 10.5, "MnR": 17.7})
 
 
 def test_bad_inputs_are_rejected():
@@ -71,7 +72,7 @@ def test_pair_to_text_ranks_pairs_not_captions():
 
 def test_format_retrieval_prints_both_directions():
     lines = format_retrieval(retrieval_metrics(SIM, TEXT_PAIR)).splitlines()
-    assert lines[0].split() == ["R@1", "R@5", "R@10", "MdR", "MnR"]
-    assert lines[1].split()[-5:] == ["25.0", "100.0", "100.0", "3.0", "2.8"]
+    assert lines[0].split() == ["R@1", "R@5", "R@10", "R@20", "R@50", "MdR", "MnR"]
+    assert lines[1].split()[-7:] == ["25.0", "100.0", "100.0", "100.0", "100.0", "3.0", "2.8"]
     assert lines[2].startswith("Text => Image Pair")
-    assert lines[2].split()[-5:] == ["16.7", "100.0", "100.0", "3.0", "2.5"]
+    assert lines[2].split()[-7:] == ["16.7", "100.0", "100.0", "100.0", "100.0", "3.0", "2.5"]

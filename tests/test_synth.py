@@ -39,7 +39,7 @@ def test_layout_and_schemas_are_clevr_changes(dataset):
     for captions in list(f["change_captions"].values()) + list(f["no_change_captions"].values()):
         assert len(captions) == len(set(captions)) == 5
         assert all(c == c.lower() and not c.endswith(".") for c in captions)
-    assert not (root.parent / "d.partial").exists()
+    assert [p.name for p in root.parent.iterdir()] == [root.name]  # no half-drawn folder beside it
     pairs = data.read_split("synth", root, "test")
     assert [p.change_type for p in pairs] == [f["scenes"][p.id]["change_type"] for p in pairs]
 
@@ -155,6 +155,9 @@ def test_ensure_synth_generates_only_when_missing(tmp_path, caplog):
     synth.ensure_synth(root, pairs=12, seed=1)  # a dataset of another size is used as it is, and said so
     assert (root / "scenes.json").stat().st_mtime_ns == stamp
     assert f"{root} holds 10 pairs, not the 12 asked for: delete it to generate those" in caplog.text
+    (root / "scenes.json").write_text((root / "scenes.json").read_text()[:100])  # a copy cut short
+    with pytest.raises(data.InputError, match=r"scenes.json: malformed JSON at line 1 "):
+        synth.ensure_synth(root, pairs=10, seed=1)
 
 
 DRAW_PAIR = synth.draw_pair
