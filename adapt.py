@@ -89,7 +89,8 @@ def main(argv=None):
     model = build_model(cfg).to(device)
     print(f"pair encoder: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{model.config.n_intra} intra + {model.config.n_inter} inter layers")
-    splits, store = train.prepare_data(cfg, model.config.clip.image_size)
+    splits, store = train.prepare_data(cfg, model.config.clip.image_size,
+                                       lambda pairs: sum(len(p.captions) for p in pairs))  # a sample per caption
     train_set = data.AdaptDataset(splits["train"], model.config.clip.image_size, model.config.context_length,
                                   cfg.seed, store)
 

@@ -6,7 +6,6 @@ The synthetic CLEVR-Change of the offline default is written by synth.py in CLEV
 and read here like the real one.
 """
 import functools
-import glob
 import gzip
 import hashlib
 import html
@@ -416,10 +415,10 @@ def writer_tag():
 def remove_leftovers(path, suffix):
     """Remove the `<path>.<host-pid>.<suffix>` files or folders of writers on this machine that no longer
     run: SIGKILL, and SIGTERM too, end a process without its clean-up (at full scale, tens of GB)."""
-    path, host = Path(path), socket.gethostname()
-    for leftover in path.parent.glob(f"{glob.escape(path.name)}.{glob.escape(host)}-*.{suffix}"):
-        pid = leftover.name[:-len(suffix) - 1].rsplit("-", 1)[1]
-        if pid.isdigit() and not running(int(pid)):
+    path = Path(path)
+    name = re.compile(rf"{re.escape(path.name)}\.{re.escape(socket.gethostname())}-(\d+)\.{re.escape(suffix)}")
+    for leftover in path.parent.iterdir() if path.parent.is_dir() else ():
+        if (match := name.fullmatch(leftover.name)) and not running(int(match[1])):
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
 
 

@@ -48,9 +48,9 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
           "weight_decay": (0, None), "grad_clip": (0, None), "warmup": (0, 1), "beta2": (0, 0.9999), "dropout": (0, 0.99),
           "attn_dropout": (0, 0.99), "n_intra": (0, None), "n_inter": (0, None), "layers": (1, None),
           "heads": (1, None), "ffn": (1, None), "max_len": (2, None), "seed": (0, 2**32 - 1)}
-# What a resumed run may change: nothing that shapes the model, the optimiser or the data order.
+# What a resumed run may change: nothing that shapes the model, the optimiser, the data order or the schedule.
 RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
-               "out_dir")
+               "out_dir", "patience")
 # The CLIP parameters that the authors' scripts freeze in both stages (their --freeze_layer_num 0):
 # the image tower's patch, class and position embeddings and ln_pre, the text tower's embeddings.
 AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre.weight",
@@ -265,14 +265,20 @@ def mixed_precision(device, amp):
 # ---------------------------------------------------------------------------------------------
 # Data: splits, image store, order and loaders
 # ---------------------------------------------------------------------------------------------
-def prepare_data(cfg, image_size):
+def prepare_data(cfg, image_size, samples=len):
     """The three splits and, with --cache, the ImageStore of all their images at the model's input
-    size. Rank 0 generates and builds what is missing while the others wait, then they read it."""
+    size. Rank 0 generates and builds what is missing while the others wait, then they read it.
+    samples(train pairs): the stage's training samples, which --resume compares before any image is stored."""
     if rank() != 0:
         barrier()
     if cfg.data == "synth" and rank() == 0:
         synth.ensure_synth(cfg.data_root)
     splits = {split: data.read_split(cfg.data, cfg.data_root, split) for split in ("train", "val", "test")}
+    last = Path(cfg.out_dir) / "last.pt"
+    saved = clip_weights.read_checkpoint(last, mmap=True)["state"].get("samples") if cfg.resume else None
+    if saved not in (None, samples(splits["train"])):  # --data_root may move, but the data order needs its size
+        raise InputError(f"--resume: {last} trained on {saved} samples, the data now holds "
+                         f"{samples(splits['train'])}: resume on the same data")
     store = data.ImageStore([p for s in splits.values() for p in s], image_size, cfg.data_root) if cfg.cache else None
     if rank() == 0:
         barrier()
@@ -381,16 +387,13 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def resume(path, run, samples, shape):
+def resume(path, run, shape):
     """Restore model, optimiser, schedule, grad scaler and RNG from last.pt (whose settings
     check_run_folder compared); return the loop's state."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     if changed := differences(ckpt["model_config"], shape):  # the same weights fit another layer split
         raise InputError(f"--resume: {path} holds a model of another shape than the one built now, (saved, now): "
                          f"{changed}; resume from the same stage-1 file")
-    if ckpt["state"].get("samples", samples) != samples:  # --data_root may move, but the data order needs its size
-        raise InputError(f"--resume: {path} trained on {ckpt['state']['samples']} samples, the data now holds "
-                         f"{samples}: resume on the same data")
     for name, obj in run.items():
         if obj is not None and (name in ckpt or name != "scaler"):  # onto fp16 from a run without: a new scaler
             obj.load_state_dict(ckpt[name])
@@ -492,7 +495,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                 leftover.unlink()  # a killed write's
         barrier()
         if cfg.resume:
-            state = resume(out / "last.pt", run, len(train_set), saved["model_config"])
+            state = resume(out / "last.pt", run, saved["model_config"])
         while state["step"] < total and not state["stopped"]:
             epoch, done = divmod(state["step"], steps_per_epoch)
             sampler.set_epoch(epoch, skip=done * cfg.batch_size)

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -296,17 +297,27 @@ def test_resume_from_a_damaged_last_pt_is_refused(root, stage_1, tmp_path, capsy
     assert snapshot(out) == before
 
 
+def test_a_resumed_stage_2_run_may_change_its_patience_alone(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    saved = caption.CaptionConfig(out_dir=str(out), patience=10)  # a run of an earlier default
+    torch.save(dict(config=asdict(saved), state={}, rng=[], model={}, optimizer={}), out / "last.pt")
+    train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True))  # patience 11: when to stop, alone
+    with pytest.raises(InputError, match=r"'lr': \(0.0001, 0.001\)"):
+        train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True, lr=1e-3))
+
+
 def test_resume_on_other_data_is_refused(stage_1, tmp_path, capsys):
     synth.write_synth(tmp_path / "other", 40, seed=2)  # --data_root may move, but this data is not the run's
-    before = snapshot(stage_1)
+    before = snapshot(stage_1), snapshot(tmp_path / "other")
     error = error_of(capsys, adapt.main, *SMALL, "--data_root", tmp_path / "other", "--out_dir", stage_1, "--resume")
     assert error.endswith(f"--resume: {stage_1 / 'last.pt'} trained on 120 samples, the data now holds 160: "
                           "resume on the same data")
-    assert snapshot(stage_1) == before
+    assert (snapshot(stage_1), snapshot(tmp_path / "other")) == before  # no image store built there either
 
 
 def test_resume_into_a_model_of_another_shape_is_refused(root, stage_1, tmp_path, capsys):
-    out = tmp_path / "run"  # as if --init_from had named a stage 1 of 2 + 2 layers then, and one of 1 + 3 now
+    out = tmp_path / "run"  # as when stage 2's --init_from file was swapped for one of another layer split
     out.mkdir()
     last = torch.load(stage_1 / "last.pt", weights_only=True)
     last["model_config"]["encoder"]["n_intra"] = 1

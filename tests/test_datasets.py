@@ -102,12 +102,12 @@ def test_what_killed_writers_left_is_removed_by_the_next_one(tmp_path):
     ended.wait()  # its pid now names no process: a writer killed before its clean-up ran
     host, folder = socket.gethostname(), tmp_path / "s"
     folder.mkdir()
-    killed, live, elsewhere = (folder / f"store_16px.u8.{tag}.tmp" for tag in
-                               (f"{host}-{ended.pid}", f"{host}-{os.getppid()}", f"{host}x-{ended.pid}"))
-    for leftover in (killed, live, elsewhere):
+    killed, live, *elsewhere = (folder / f"store_16px.u8.{tag}.tmp" for tag in (
+        f"{host}-{ended.pid}", f"{host}-{os.getppid()}", f"{host}x-{ended.pid}", f"{host}-2-{ended.pid}"))
+    for leftover in (killed, live, *elsewhere):
         leftover.write_bytes(b"half an image store")
     data.ImageStore(write_clevr(tmp_path / "d"), 16, folder)
-    assert not killed.exists() and live.exists() and elsewhere.exists()  # the others' writers may still run
+    assert not killed.exists() and live.exists() and all(f.exists() for f in elsewhere)  # their writers may run
     drawing = tmp_path / f"synth.{host}-{ended.pid}.partial"
     (drawing / "images").mkdir(parents=True)
     synth.write_synth(tmp_path / "synth", 10, seed=0)
