@@ -382,8 +382,8 @@ class ImageStore:
         if not (whole and read_index(index_path) == index):
             index_path.unlink(missing_ok=True)  # the index goes last: it vouches for the pixels
             build_store(self.path, files, size)
-            index_path.with_suffix(f".{writer_tag()}.tmp").write_text(json.dumps(index))
-            os.replace(index_path.with_suffix(f".{writer_tag()}.tmp"), index_path)
+            (tmp := scratch(index_path, "tmp")).write_text(json.dumps(index))
+            os.replace(tmp, index_path)
 
     def __call__(self, path, size):
         if size != self.size:
@@ -406,20 +406,16 @@ def stamp(path):
     return info.st_size, info.st_mtime_ns
 
 
-def writer_tag():
-    """`host-pid`, in the name of a file while it is written: two runs may write at once (the last one
-    wins), and a later run can tell what a killed one left from what a live one is writing."""
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def remove_leftovers(path, suffix):
-    """Remove the `<path>.<host-pid>.<suffix>` files or folders of writers on this machine that no longer
-    run: SIGKILL, and SIGTERM too, end a process without its clean-up (at full scale, tens of GB)."""
-    path = Path(path)
-    name = re.compile(rf"{re.escape(path.name)}\.{re.escape(socket.gethostname())}-(\d+)\.{re.escape(suffix)}")
+def scratch(path, suffix):
+    """`<path>.<host>-<pid>.<suffix>`: the name `path` is written under, then renamed when whole. Two runs
+    may write at once (the last one wins). What this host's writers that no longer run left under such
+    names is removed first: SIGKILL, and SIGTERM too, end a process without its clean-up (tens of GB)."""
+    path, host = Path(path), socket.gethostname()
+    name = re.compile(rf"{re.escape(path.name)}\.{re.escape(host)}-(\d+)\.{re.escape(suffix)}")
     for leftover in path.parent.iterdir() if path.parent.is_dir() else ():
         if (match := name.fullmatch(leftover.name)) and not running(int(match[1])):
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+    return path.with_name(f"{path.name}.{host}-{os.getpid()}.{suffix}")
 
 
 def running(pid):
@@ -434,8 +430,7 @@ def running(pid):
 
 def build_store(path, files, size):
     """Decode and resize `files` on every core into the uint8 file `path`, written whole or not at all."""
-    remove_leftovers(path, "tmp")
-    tmp, start = Path(f"{path}.{writer_tag()}.tmp"), time.time()
+    tmp, start = scratch(path, "tmp"), time.time()
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         pixels = np.memmap(tmp, np.uint8, "w+", shape=(len(files), 3, size, size))

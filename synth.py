@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data import InputError, check_writable, read_json, remove_leftovers, writer_tag
+from data import InputError, check_writable, read_json, scratch
 
 log = logging.getLogger("synth")
 
@@ -207,8 +207,7 @@ def write_synth(out, n_pairs, seed, workers=None):
         raise InputError(f"--pairs {n_pairs}: expected at least {MIN_PAIRS}, for non-empty val and test splits")
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new folder for the synthetic dataset")
-    remove_leftovers(out, "partial")
-    tmp = out.with_name(f"{out.name}.{writer_tag()}.partial")  # renamed when whole: a killed run leaves no dataset
+    tmp = scratch(out, "partial")  # renamed when whole: a killed run leaves no dataset
     files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
     workers = workers or min(os.cpu_count() or 1, 1 + n_pairs // 500)
     try:

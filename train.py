@@ -274,11 +274,11 @@ def prepare_data(cfg, image_size, samples=len):
     if cfg.data == "synth" and rank() == 0:
         synth.ensure_synth(cfg.data_root)
     splits = {split: data.read_split(cfg.data, cfg.data_root, split) for split in ("train", "val", "test")}
-    last = Path(cfg.out_dir) / "last.pt"
+    last, now = Path(cfg.out_dir) / "last.pt", samples(splits["train"])
     saved = clip_weights.read_checkpoint(last, mmap=True)["state"].get("samples") if cfg.resume else None
-    if saved not in (None, samples(splits["train"])):  # --data_root may move, but the data order needs its size
-        raise InputError(f"--resume: {last} trained on {saved} samples, the data now holds "
-                         f"{samples(splits['train'])}: resume on the same data")
+    if saved not in (None, now):  # --data_root may move, but the data order needs the run's number of samples
+        raise InputError(f"--resume: {last} trained on {saved} samples, the data now holds {now}: resume on the "
+                         "same data")
     store = data.ImageStore([p for s in splits.values() for p in s], image_size, cfg.data_root) if cfg.cache else None
     if rank() == 0:
         barrier()
