@@ -32,7 +32,8 @@ import caption
 import clip_weights
 import data
 import train
-from model import CLIP4IDC, EOT, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
+from model import CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
+from tokenizer import EOT, tokenize
 
 CAPTIONS = ["the small red metal cube has moved", "there is no change", "a photo of a cat.",
             "the large cyan rubber cylinder that was behind the sphere is missing",
@@ -71,7 +72,7 @@ def bench_clip(args):
     ref = build(sd)
     torch.manual_seed(0)
     images = torch.randn(args.images, 3, 224, 224)
-    tokens = data.tokenize([CAPTIONS[i % len(CAPTIONS)] for i in range(args.texts)])
+    tokens = tokenize([CAPTIONS[i % len(CAPTIONS)] for i in range(args.texts)])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, median of {args.repeats}")
     with torch.inference_mode():
         compare("encode_image", ours.encode_image, ref.encode_image, images, args.repeats)
@@ -185,7 +186,7 @@ def fit_rate(args, device):
                          compile=args.modes[-1] != "eager", workers=args.workers, log_every=args.fit_steps // 5,
                          max_steps=args.fit_steps, save_every=10 ** 9, epochs=1)
         print(f"train.fit, {args.fit_steps} steps of {args.batch}, {cfg.amp}, compiled {cfg.compile}, workers "
-              f"{train.loader_workers(cfg.workers, device)} (the first lines include compilation):")
+              f"{data.loader_workers(cfg.workers, device)} (the first lines include compilation):")
         train.fit(cfg, model, dataset, lambda: (0.0, {}), model.new_parameter_names(), "cosine")
 
 
@@ -210,7 +211,7 @@ def bench_loader(args):
     for source, load in (("PNG files", None), ("ImageStore", store)):
         dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, load)
         for workers in args.workers_list:
-            loader = train.make_loader(dataset, args.batch, device, workers, train.EpochSampler(len(dataset), 0, args.batch))
+            loader = data.make_loader(dataset, args.batch, device, workers, data.EpochSampler(len(dataset), 0, args.batch))
             batches = iter(loader)
             next(batches)  # workers started
             start, n = time.perf_counter(), 0

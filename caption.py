@@ -58,7 +58,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"  # mixed precision; auto: bf16 (else fp16) on CUDA, off on CPU
     compile: bool = False  # torch.compile the training step
     device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)
-    workers: int = -1  # loader processes (-1: from the machine's cores, see train.loader_workers)
+    workers: int = -1  # loader processes (-1: from the machine's cores, see data.loader_workers)
     log_every: int = 50  # steps between progress lines
     save_every: int = 1000  # steps between resumable checkpoints (also at each epoch's end)
     resume: bool = False  # continue the run in --out_dir from its last.pt

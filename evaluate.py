@@ -36,8 +36,9 @@ import clip_weights
 import data
 import figures
 import train
-from data import CHANGE_TYPES, EOT, PAPER_TYPE_NAME, InputError
+from data import CHANGE_TYPES, PAPER_TYPE_NAME, InputError
 from model import Captioner
+from tokenizer import EOT, get_tokenizer, tokenize
 
 # ---------------------------------------------------------------------------------------------
 # Retrieval: image pair -> text (IP-T) and text -> image pair (T-IP), Tables 6 and 7
@@ -52,9 +53,9 @@ def encode_split(model, pairs, device, store=None, amp="auto", workers=-1):
     both normalised, and for each caption the index of its pair; under the training's autocast."""
     model.eval()
     autocast, _ = train.mixed_precision(device, amp)
-    loader = train.make_loader(data.EvalDataset(pairs, model.config.clip.image_size, store), EVAL_BATCH, device, workers)
+    loader = data.make_loader(data.EvalDataset(pairs, model.config.clip.image_size, store), EVAL_BATCH, device, workers)
     captions = [(i, c) for i, p in enumerate(pairs) for c in p.captions]
-    tokens = data.tokenize([c for _, c in captions], model.config.context_length)
+    tokens = tokenize([c for _, c in captions], model.config.context_length)
     with autocast:
         pair_vecs = [model.pool(model.encode_pair(b.to(device), a.to(device))).float() for _, b, a in loader]
         text_vecs = [model.encode_text(t.to(device)).float() for t in tokens.split(256)]
@@ -123,10 +124,10 @@ def format_retrieval(metrics):
 # ---------------------------------------------------------------------------------------------
 def ids_to_text(ids):
     """Caption text of each generated row: the tokens between SOT and EOT."""
-    tokenizer, texts = data.get_tokenizer(), []
+    bpe, texts = get_tokenizer(), []
     for row in ids.tolist():
         row = row[1:]
-        texts.append(tokenizer.decode(row[:row.index(EOT)] if EOT in row else row))
+        texts.append(bpe.decode(row[:row.index(EOT)] if EOT in row else row))
     return texts
 
 
@@ -137,7 +138,7 @@ def predict(captioner, items, device, store=None, amp="auto", workers=-1, progre
     autocast, _ = train.mixed_precision(device, amp)
     size = captioner.encoder.config.clip.image_size
     preds, start = {}, time.time()
-    for index, before, after in train.make_loader(data.EvalDataset(items, size, store), EVAL_BATCH, device, workers):
+    for index, before, after in data.make_loader(data.EvalDataset(items, size, store), EVAL_BATCH, device, workers):
         with autocast:
             ids = captioner.generate(before.to(device), after.to(device))
         preds.update((items[i].id, text) for i, text in zip(index.tolist(), ids_to_text(ids)))

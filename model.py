@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import EOT, IGNORE, SOT, next_tokens
+from data import IGNORE, next_tokens
+from tokenizer import EOT, SOT
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's pre-training pixel statistics
 STD = (0.26862954, 0.26130258, 0.27577711)

@@ -263,7 +263,7 @@ def mixed_precision(device, amp):
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: splits, image store, order and loaders
+# Data: splits and image store (their order and loaders: data.py)
 # ---------------------------------------------------------------------------------------------
 def prepare_data(cfg, image_size, samples=len):
     """The three splits and, with --cache, the ImageStore of all their images at the model's input
@@ -283,48 +283,6 @@ def prepare_data(cfg, image_size, samples=len):
     if rank() == 0:
         barrier()
     return splits, store
-
-
-class EpochSampler(torch.utils.data.Sampler):
-    """Yields (epoch, index) keys in an order fixed by (seed, epoch), so a resumed run sees the same
-    batches; the datasets derive their own random choices from the same key. The order is cut into
-    global batches of `batch` samples, of which process `rank` reads the rank-th slice."""
-
-    def __init__(self, n, seed, batch, rank=0, world=1):
-        self.n, self.seed, self.batch, self.rank, self.world = n, seed, batch, rank, world
-        self.epoch, self.skip = 0, 0
-
-    def set_epoch(self, epoch, skip=0):
-        self.epoch, self.skip = epoch, skip  # skip: samples of this epoch already trained on
-
-    def __iter__(self):
-        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
-        order = order[self.skip:][:len(self) * self.world]
-        return iter([(self.epoch, int(i)) for i in order.view(-1, self.world, self.batch // self.world)[:, self.rank].flatten()])
-
-    def __len__(self):
-        return (self.n - self.skip) // self.batch * (self.batch // self.world)
-
-
-def loader_workers(workers, device):
-    """Loader processes: `workers` (--workers) where it is 0 or more; for -1, the cores of this process's
-    share of the machine, less one for itself, at most 8, and none when a CPU of two cores or fewer
-    trains: its threads keep both cores busy, and a loader process only takes turns with them (stage 1
-    of the offline default, images from the store: 9% faster)."""
-    if workers >= 0:
-        return workers
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return 0 if device.type == "cpu" and share <= 2 else max(1, min(8, share - 1))
-
-
-def make_loader(dataset, batch_size, device, workers=-1, sampler=None, seed=0):
-    """Workers never touch the global RNG (own generator), so loading cannot change the training's
-    random stream and a resumed run stays bit-exact. workers: see `loader_workers`."""
-    workers = loader_workers(workers, device)
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=sampler is not None, num_workers=workers,
-        pin_memory=device.type == "cuda", persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,8 +396,8 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     if steps_per_epoch == 0:
         raise InputError(f"--batch_size {cfg.batch_size}: expected at most the {len(train_set)} training samples")
     total = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
-    sampler = EpochSampler(len(train_set), cfg.seed, cfg.batch_size, rank(), world())
-    loader = make_loader(train_set, cfg.batch_size // world(), device, cfg.workers, sampler, cfg.seed)
+    sampler = data.EpochSampler(len(train_set), cfg.seed, cfg.batch_size, rank(), world())
+    loader = data.make_loader(train_set, cfg.batch_size // world(), device, cfg.workers, sampler, cfg.seed)
     optimizer = make_optimizer(model, new_names, cfg)
     schedule = make_schedule(optimizer, total, cfg.warmup, decay)
     run = dict(model=model, optimizer=optimizer, schedule=schedule, scaler=scaler)  # all that last.pt restores

@@ -25,6 +25,7 @@ import data
 import evaluate
 import synth
 import train
+import tokenizer
 from data import InputError
 
 SMALL = ["--data", "synth", "--epochs", "1", "--max_steps", "2", "--batch_size", "16", "--workers", "0"]
@@ -527,7 +528,7 @@ def test_command_line_combinations_are_checked(root, stage_1, tmp_path, capsys):
         capsys, lambda argv: synth.write_synth(tmp_path / "s", 5, 0))
     assert not (tmp_path / "s").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
     with pytest.raises(TypeError, match="tokenize takes a string or a list of strings, not None"):
-        data.tokenize(None)
+        tokenizer.tokenize(None)
 
 
 def test_a_list_of_pairs_names_its_bad_line(tmp_path):

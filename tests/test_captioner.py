@@ -4,11 +4,10 @@ import torch
 
 import caption
 import clip_weights
+import tokenizer
 from evaluate import ids_to_text
 from model import EOT, IGNORE, SOT, Captioner, CaptionerConfig, WordCrossEntropy
 from tiny import tiny_pair_encoder
-
-import data
 
 
 def tiny_captioner(max_len=12):
@@ -88,7 +87,7 @@ def test_word_cross_entropy_equals_torch_cross_entropy_in_value_and_gradient():
 
 
 def test_generated_ids_decode_to_the_caption_text():
-    ids = data.tokenize(["the big cube has moved", "nothing has changed"], 12)
+    ids = tokenizer.tokenize(["the big cube has moved", "nothing has changed"], 12)
     assert ids_to_text(ids) == ["the big cube has moved", "nothing has changed"]
 
 
@@ -120,7 +119,7 @@ def test_a_captioner_of_fewer_words_scores_and_writes_as_the_full_one_with_the_o
 
 
 def test_the_training_words_are_the_tokens_after_sot_up_to_and_with_eot():
-    encode = data.Tokenizer().encode
-    assert caption.train_words(data.tokenize(["the cube moved", "a cube appeared"], 12)) == tuple(
+    encode = tokenizer.Tokenizer().encode
+    assert caption.train_words(tokenizer.tokenize(["the cube moved", "a cube appeared"], 12)) == tuple(
         sorted({*encode("the cube moved"), *encode("a cube appeared"), EOT}))  # not SOT, nor the padding's 0
-    assert 0 in caption.train_words(data.tokenize(["it moved!—"], 12))  # "!" before a dash is token 0, as the padding
+    assert 0 in caption.train_words(tokenizer.tokenize(["it moved!—"], 12))  # "!" before a dash is token 0, as the padding

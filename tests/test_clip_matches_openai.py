@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import clip_weights
-import data
+import tokenizer
 from model import CLIPConfig
 from openai_reference import build, random_state_dict, save_torchscript
 
@@ -43,14 +43,14 @@ def test_vit_b32_state_dict_matches_openai(tmp_path):
 
     torch.manual_seed(0)
     images = torch.randn(2, 3, 224, 224)
-    assert_same_outputs(ours, build(sd), images, data.tokenize(TEXTS))
+    assert_same_outputs(ours, build(sd), images, tokenizer.tokenize(TEXTS))
 
 
 def test_torchscript_archive_matches_openai(tmp_path):
     sd = random_state_dict(SMALL, seed=1)
     torch.manual_seed(1)
     images = torch.randn(2, 3, SMALL.image_size, SMALL.image_size)
-    tokens = data.tokenize(TEXTS, context_length=SMALL.context_length)
+    tokens = tokenizer.tokenize(TEXTS, context_length=SMALL.context_length)
     path = tmp_path / "small.pt"
     save_torchscript(sd, path, images, tokens)
     assert clip_weights.read_state_dict(path)["visual.conv1.weight"].dtype == torch.float16
@@ -65,6 +65,6 @@ def test_loaded_model_is_not_the_reference_with_other_weights(tmp_path):
     path = tmp_path / "small.pt"
     torch.save(random_state_dict(SMALL, seed=2), path)
     images = torch.randn(2, 3, SMALL.image_size, SMALL.image_size)
-    tokens = data.tokenize(TEXTS, context_length=SMALL.context_length)
+    tokens = tokenizer.tokenize(TEXTS, context_length=SMALL.context_length)
     with pytest.raises(AssertionError):
         assert_same_outputs(clip_weights.load(path), build(random_state_dict(SMALL, seed=3)), images, tokens)

@@ -13,6 +13,7 @@ from torchvision import transforms
 
 import data
 import synth
+import tokenizer
 from tiny import tiny_clip_config
 from model import VisionTransformer
 
@@ -43,7 +44,7 @@ def colour_of(image):
 
 
 def decode(ids):
-    return data.get_tokenizer().decode([i for i in ids.tolist() if i])
+    return tokenizer.get_tokenizer().decode([i for i in ids.tolist() if i])
 
 
 @pytest.mark.parametrize("mode, size", [("RGB", 32), ("RGBA", 48), ("P", 64)])

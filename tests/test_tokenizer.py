@@ -1,11 +1,11 @@
-"""data.py's BPE tokenizer gives OpenAI's ids, on a deterministic corpus of awkward strings."""
+"""tokenizer.py's BPE tokenizer gives OpenAI's ids, on a deterministic corpus of awkward strings."""
 import gzip
 import random
 
 import pytest
 import torch
 
-import data
+import tokenizer
 from openai_reference import simple_tokenizer
 
 WORDS = ["a", "photo", "of", "the", "cat", "dog", "Red", "CUBE", "sphere", "cylinder", "moved", "changed",
@@ -58,13 +58,13 @@ def reference_tokenize(tok, texts, context_length=77):
 
 
 def test_special_tokens_match_reference(reference):
-    assert data.SOT == reference.encoder["<|startoftext|>"]
-    assert data.EOT == reference.encoder["<|endoftext|>"]
-    assert data.get_tokenizer().encoder == reference.encoder
+    assert tokenizer.SOT == reference.encoder["<|startoftext|>"]
+    assert tokenizer.EOT == reference.encoder["<|endoftext|>"]
+    assert tokenizer.get_tokenizer().encoder == reference.encoder
 
 
 def test_known_vector():
-    ids = data.tokenize("a photo of a cat.")
+    ids = tokenizer.tokenize("a photo of a cat.")
     assert ids.shape == (1, 77)
     assert ids[0, :8].tolist() == [49406, 320, 1125, 539, 320, 2368, 269, 49407]
     assert not ids[0, 8:].any()
@@ -73,32 +73,32 @@ def test_known_vector():
 def test_corpus_matches_reference(reference):
     texts = corpus()
     assert len(texts) >= 2000
-    ours = data.get_tokenizer()
+    ours = tokenizer.get_tokenizer()
     bad = [t for t in texts if ours.encode(t) != reference.encode(t)]
     assert not bad, f"{len(bad)} strings tokenized differently, e.g. {bad[:5]!r}"
     expected = reference_tokenize(reference, texts)
-    got = data.tokenize(texts)
+    got = tokenizer.tokenize(texts)
     assert (got[:, -1] != 0).any(), "the corpus should contain texts longer than the context"
     bad = [texts[i] for i in (got != expected).any(dim=1).nonzero().flatten().tolist()]
     assert not bad, f"{len(bad)} strings differ after SOT/EOT/truncation, e.g. {bad[:5]!r}"
 
 
 def test_truncation_keeps_eot():
-    ids = data.tokenize(["word " * 200], context_length=77)[0]
-    assert ids[0] == data.SOT and ids[-1] == data.EOT and (ids != 0).all()
+    ids = tokenizer.tokenize(["word " * 200], context_length=77)[0]
+    assert ids[0] == tokenizer.SOT and ids[-1] == tokenizer.EOT and (ids != 0).all()
 
 
 def test_decode_matches_reference(reference):
-    ours = data.get_tokenizer()
+    ours = tokenizer.get_tokenizer()
     for text in corpus(500, seed=1):
         ids = ours.encode(text)
-        if data.SOT in ids or data.EOT in ids:
+        if tokenizer.SOT in ids or tokenizer.EOT in ids:
             continue  # our decode drops the special tokens, the reference's spells them out
         assert ours.decode(ids) == reference.decode(ids).strip(), text
 
 
 def test_decode_round_trips_plain_text():
-    tok = data.get_tokenizer()
+    tok = tokenizer.get_tokenizer()
     rng = random.Random(2)
     for _ in range(200):
         text = " ".join(rng.choice(WORDS + CJK + ACCENTS[:10]).lower() for _ in range(rng.randint(1, 10)))
@@ -108,9 +108,9 @@ def test_decode_round_trips_plain_text():
 
 
 def test_corrupted_merges_file_is_rejected(tmp_path):
-    lines = gzip.decompress(data.BPE_PATH.read_bytes()).decode("utf-8").split("\n")
+    lines = gzip.decompress(tokenizer.BPE_PATH.read_bytes()).decode("utf-8").split("\n")
     lines[100], lines[101] = lines[101], lines[100]  # two merges swapped: the ranks silently change
     bad = tmp_path / "bpe.txt.gz"
     bad.write_bytes(gzip.compress("\n".join(lines).encode("utf-8")))
     with pytest.raises(ValueError, match="SHA-256"):
-        data.Tokenizer(bad)
+        tokenizer.Tokenizer(bad)

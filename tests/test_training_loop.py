@@ -4,6 +4,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
+import data
 import train
 from adapt import AdaptConfig
 from model import Captioner, CaptionerConfig
@@ -194,5 +195,5 @@ def test_resuming_an_early_stopped_run_trains_no_further(tmp_path):
 def test_loader_workers_follow_the_cores_and_the_device(monkeypatch, cores, world, device, expected):
     monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
-    assert train.loader_workers(-1, torch.device(device)) == expected
-    assert train.loader_workers(3, torch.device(device)) == 3  # --workers as given
+    assert data.loader_workers(-1, torch.device(device)) == expected
+    assert data.loader_workers(3, torch.device(device)) == 3  # --workers as given
