@@ -63,6 +63,7 @@ AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.posit
 def main(run, argv=None):
     """Run a command line's `run(argv)`: bad input (InputError, a missing file) or a failed download
     ends in one line on stderr and exit status 2, as argparse does; any other failure keeps its traceback."""
+    status = 0
     try:
         run(argv)
     except (InputError, FileNotFoundError, ConnectionError) as e:
@@ -70,14 +71,18 @@ def main(run, argv=None):
         if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
             message = message.splitlines()[-1].split(": ", 1)[-1]
         print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-    if distributed():  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
+        status = 2
+    if not distributed():
+        if status:
+            sys.exit(status)
+        return
+    if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
         barrier()
         dist.destroy_process_group()
-        # gloo's thread may free the last all-gather's tensors after the barrier returns, which takes the GIL:
-        # were the interpreter shutting down by then, a run that succeeded would abort (SIGABRT). All is written.
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(0)
+    # gloo's thread may free the last all-gather's tensors after it returned, which takes the GIL: were the
+    # interpreter shutting down by then, the process would abort (SIGABRT). All is written: leave at once.
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(status)
 
 
 def field_help(config_cls):
