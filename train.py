@@ -72,17 +72,16 @@ def main(run, argv=None):
             message = message.splitlines()[-1].split(": ", 1)[-1]
         print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
         status = 2
-    if not distributed():
-        if status:
-            sys.exit(status)
-        return
-    if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
-        barrier()
-        dist.destroy_process_group()
-    # gloo's thread may free the last all-gather's tensors after it returned, which takes the GIL: were the
-    # interpreter shutting down by then, the process would abort (SIGABRT). All is written: leave at once.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(status)
+    if distributed():
+        if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
+            barrier()
+            dist.destroy_process_group()
+        # gloo's thread may free the last all-gather's tensors after it returned, which takes the GIL: were the
+        # interpreter shutting down by then, the process would abort (SIGABRT). All is written: leave at once.
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(status)
+    if status:
+        sys.exit(status)
 
 
 def field_help(config_cls):

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
 import synth
 
 ROOT = Path(__file__).parent.parent
