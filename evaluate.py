@@ -60,39 +60,45 @@ def encode_split(model, pairs, device, store=None, amp="auto", workers=-1):
         pair_vecs = [model.pool(model.encode_pair(b.to(device), a.to(device))).float() for _, b, a in loader]
         text_vecs = [model.encode_text(t.to(device)).float() for t in tokens.split(256)]
     text_pair = torch.tensor([i for i, _ in captions])
-    return F.normalize(torch.cat(pair_vecs), dim=-1), F.normalize(torch.cat(text_vecs), dim=-1), text_pair
+    text_id = torch.unique(tokens, dim=0, return_inverse=True)[1]  # equal for captions of equal tokens
+    return F.normalize(torch.cat(pair_vecs), dim=-1), F.normalize(torch.cat(text_vecs), dim=-1), text_pair, text_id
 
 
 def retrieval(model, pairs, device, store=None, amp="auto", workers=-1):
     """IP-T and T-IP retrieval over all reference captions (Tables 6 and 7), on the change pairs."""
-    v, g, text_pair = encode_split(model, pairs, device, store, amp, workers)
-    return retrieval_metrics((v @ g.t()).cpu(), text_pair)
+    v, g, text_pair, text_id = encode_split(model, pairs, device, store, amp, workers)
+    return retrieval_metrics((v @ g.t()).cpu(), text_pair, text_id)
 
 
-def rank_summary(ranks):
-    """R@K (percent), median rank and mean rank of 1-based ranks."""
+def rank_summary(ranks, lower_median=False):
+    """R@K (percent), median rank and mean rank of 1-based ranks. Of two middle ranks the median is
+    their mean, or with `lower_median` the lower one, as torch.median takes it."""
     ranks = np.asarray(ranks)
     summary = {f"R@{k}": 100.0 * float(np.mean(ranks <= k)) for k in RECALL_AT}
-    summary["MdR"] = float(np.median(ranks))
+    summary["MdR"] = float(np.sort(ranks)[(len(ranks) - 1) // 2] if lower_median else np.median(ranks))
     summary["MnR"] = float(np.mean(ranks))
     return summary
 
 
-def retrieval_metrics(sim, text_pair):
+def retrieval_metrics(sim, text_pair, text_id=None):
     """IP-T and T-IP scores from sim [n_pairs, n_texts] (tensor or array); text_pair[j] is the pair
-    that caption j describes.
+    that caption j describes, and captions of equal text_id[j] read the same (default: all differ).
 
-    T-IP ranks every caption's own pair among all pairs. IP-T, as the authors' code scores it, ranks
-    each pair's best own caption against the best caption of every other pair: a pair has several
-    correct captions and retrieving any of them is a hit.
+    T-IP ranks every caption's own pair among all pairs; its median rank is the lower middle one, as
+    in the authors' code. IP-T, as the authors' code scores it, ranks each pair's best own caption
+    against the best caption of every other pair: a pair has several correct captions and retrieving
+    any of them is a hit, so is retrieving another pair's caption that reads the same as one of them.
     """
     if hasattr(sim, "detach"):
         sim = sim.detach().float().cpu().numpy()
     sim, text_pair = np.asarray(sim), np.asarray(text_pair)
+    text_id = np.arange(len(text_pair)) if text_id is None else np.asarray(text_id)
     n_pairs, n_texts = sim.shape
     if text_pair.shape != (n_texts,) or text_pair.min() < 0 or text_pair.max() >= n_pairs:
         raise ValueError(f"text_pair must hold one pair index in [0, {n_pairs}) for each of the "
                          f"{n_texts} texts, got shape {text_pair.shape}")
+    if text_id.shape != (n_texts,):
+        raise ValueError(f"text_id must hold one id for each of the {n_texts} texts, got shape {text_id.shape}")
     # A diverged model's NaNs would compare False everywhere and earn rank 1.
     if not np.isfinite(sim).all():
         raise ValueError("similarities contain NaN or inf")
@@ -100,14 +106,28 @@ def retrieval_metrics(sim, text_pair):
     if len(uncaptioned):
         raise ValueError(f"pairs without any caption: {uncaptioned[:5].tolist()}")
     # Ties count against the model: rank = 1 + number of competitors scoring >= the true match.
-    # Otherwise a constant-score model would rank everything first.
+    # Otherwise a constant-score model would rank everything first. A tie of the same text is no
+    # competition: its vector is the same, and it is right for both pairs.
     true_score = sim[text_pair, np.arange(n_texts)]
     text_to_pair = (sim >= true_score[None, :]).sum(axis=0)  # the own pair is one of those counted
     order = np.argsort(text_pair, kind="stable")
+    competing = sim[:, order]
+    rows, columns = same_text_elsewhere(text_pair[order], text_id[order])
+    competing[rows, columns] = -np.inf
     starts = np.searchsorted(text_pair[order], np.arange(n_pairs))
-    best = np.maximum.reduceat(sim[:, order], starts, axis=1)  # best[i, k]: pair i and pair k's closest caption
+    best = np.maximum.reduceat(competing, starts, axis=1)  # best[i, k]: pair i and pair k's closest caption
     pair_to_text = (best >= np.diag(best)[:, None]).sum(axis=1)
-    return {"pair_to_text": rank_summary(pair_to_text), "text_to_pair": rank_summary(text_to_pair)}
+    return {"pair_to_text": rank_summary(pair_to_text), "text_to_pair": rank_summary(text_to_pair, lower_median=True)}
+
+
+def same_text_elsewhere(text_pair, text_id):
+    """Rows i and columns j where caption j, of another pair, reads the same as a caption of pair i.
+    Templated captions repeat across pairs: a quarter of 4,000 synthetic CLEVR-Change pairs' captions."""
+    owners = {}
+    for i, t in zip(text_pair.tolist(), text_id.tolist()):
+        owners.setdefault(t, set()).add(i)
+    hidden = [(i, j) for j, (own, t) in enumerate(zip(text_pair.tolist(), text_id.tolist())) for i in owners[t] - {own}]
+    return tuple(np.array(hidden, dtype=int).reshape(-1, 2).T)
 
 
 def format_retrieval(metrics):

@@ -2,8 +2,11 @@
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from evaluate import format_retrieval, rank_summary, retrieval_metrics
+import data
+from evaluate import encode_split, format_retrieval, rank_summary, retrieval_metrics
+from tests.tiny import tiny_pair_encoder
 
 # 4 image pairs, 6 captions; caption j describes pair TEXT_PAIR[j].
 TEXT_PAIR = [0, 0, 1, 2, 2, 3]
@@ -68,6 +71,45 @@ def test_pair_to_text_ranks_pairs_not_captions():
     sim = np.array([[0.9, 0.8, 0.7, 0.1], [0.6, 0.6, 0.6, 0.5]])
     m = retrieval_metrics(sim, [0, 0, 0, 1])
     assert m["pair_to_text"]["MnR"] == (1 + 2) / 2
+
+
+def test_another_pairs_caption_of_the_same_words_is_no_competitor():
+    # Pairs 0 and 1 both have caption "A" (t0, t1), which ties for pair 0 at 0.9; t3 ties for pair 2 at 0.7
+    # with a caption of other words: the first tie is a right answer for pair 0, the second counts.
+    text_pair, text_id = [0, 1, 1, 2, 2], ["A", "A", "B", "C", "D"]
+    sim = np.array([
+        # t0   t1   t2   t3   t4
+        [0.9, 0.9, 0.1, 0.2, 0.3],  # p0: own 0.9; p1's best without its "A" 0.1, p2's 0.3 -> 1
+        [0.6, 0.6, 0.4, 0.5, 0.1],  # p1: own 0.6 ("A", both copies); p0's "A" no competitor, p2 0.5 -> 1
+        [0.1, 0.7, 0.2, 0.6, 0.7],  # p2: own 0.7 (t4) tied by p1's t1 of other words -> 2
+    ])
+    assert retrieval_metrics(sim, text_pair, text_id)["pair_to_text"]["MnR"] == (1 + 1 + 2) / 3
+    assert retrieval_metrics(sim, text_pair)["pair_to_text"]["MnR"] == (2 + 2 + 2) / 3  # every caption a text of its own
+    with pytest.raises(ValueError, match="text_id must hold one id"):
+        retrieval_metrics(sim, text_pair, text_id[:4])
+
+
+def test_text_to_pair_median_is_the_lower_middle_rank_as_the_authors_take_it():
+    sim = np.array([
+        # t0   t1   t2   t3
+        [0.9, 0.1, 0.1, 0.1],  # p0
+        [0.1, 0.9, 0.1, 0.8],  # p1
+        [0.1, 0.1, 0.5, 0.9],  # p2
+        [0.1, 0.1, 0.9, 0.5],  # p3
+    ])
+    m = retrieval_metrics(sim, [0, 1, 2, 3])  # text -> pair ranks 1, 1, 2, 3: the middle two are 1 and 2
+    assert m["text_to_pair"]["MnR"] == (1 + 1 + 2 + 3) / 4 and m["text_to_pair"]["MdR"] == 1.0
+    assert rank_summary([1, 1, 2, 3])["MdR"] == 1.5  # pair -> text keeps the mean of the two, as numpy's
+
+
+def test_captions_of_the_same_tokens_share_a_text_id(tmp_path):
+    image = tmp_path / "x.png"
+    Image.new("RGB", (40, 30), "gray").save(image)
+    pairs = [data.Pair("0", image, image, ["The cube moved.", "a ball left"]),
+             data.Pair("1", image, image, ["the cube  moved.", "the cube is gone"])]  # CLIP's tokenizer folds case, spaces
+    *_, text_pair, text_id = encode_split(tiny_pair_encoder().eval(), pairs, torch.device("cpu"), workers=0)
+    assert text_pair.tolist() == [0, 0, 1, 1]
+    assert text_id[0] == text_id[2] and len(set(text_id.tolist())) == 3
 
 
 def test_format_retrieval_prints_both_directions():
