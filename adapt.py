@@ -108,7 +108,7 @@ def main(argv=None):
     step0 = retrieval("test") if not cfg.resume and train.rank() == 0 else None
     state = train.fit(cfg, model, train_set, validate, model.new_parameter_names(), "cosine", before=step0,
                       after_step=clamp_temperature,
-                      log_extra=lambda: {"temp": f"{1 / model.clip.logit_scale.exp().item():.4f}"})
+                      log_extra=lambda: {"temp": f"{(-model.clip.logit_scale).exp().item():.4f}"})
     if train.rank() != 0:
         return
     model.load_state_dict(torch.load(Path(cfg.out_dir) / "best.pt", map_location=device, weights_only=True)["model"])

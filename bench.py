@@ -224,8 +224,8 @@ def bench_loader(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("clip", "decode", "train", "loader"))
+    parser = data.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("clip", "decode", "train", "loader"), metavar="{clip,decode,train,loader}")
     parser.add_argument("--images", type=int, default=4, help="clip: images per encode_image call")
     parser.add_argument("--texts", type=int, default=8, help="clip: texts per encode_text call")
     parser.add_argument("--repeats", type=int, default=5, help="clip, decode: timed repeats (median)")

@@ -2,7 +2,7 @@
 
     python caption.py                                    # offline default, after `python adapt.py --data synth`
     python caption.py --data clevr --data_root PATH      # the paper: from stage 1's best checkpoint
-    python caption.py --data clevr --init_from openai    # no adaptation stage (Table 5)
+    python caption.py --data clevr --init_from openai    # no adaptation stage (Table 5, without L)
     python caption.py --data clevr --recipe authors      # as the authors' code trains (README)
 
 The pair encoder comes from stage 1 (--init_from, default out/adapt-<data>/best.pt); a Transformer
@@ -80,7 +80,10 @@ AUTHORS_DEFAULTS = {data: dict(max_len=33, **({"seed": 2021} if data == "clevr" 
 
 
 def build_captioner(cfg, device):
-    if cfg.init_from == "openai":
+    if cfg.resume:  # last.pt holds the whole model: the stage-1 file may have moved or gone
+        saved = clip_weights.read_checkpoint(Path(cfg.out_dir) / "last.pt", mmap=True)["model_config"]
+        encoder = clip_weights.model_from_config({"encoder": saved["encoder"]})
+    elif cfg.init_from == "openai":
         encoder = build_model(AdaptConfig(init="openai", clip=cfg.clip, n_intra=cfg.n_intra, n_inter=cfg.n_inter))
     else:
         path = cfg.init_from or f"out/adapt-{cfg.data}/best.pt"

@@ -11,6 +11,7 @@ for the pair encoder and the captioner are mapped to ours key by key (`authors_n
 """
 import hashlib
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -92,12 +93,30 @@ def load_checkpoint(path, device="cpu", n_intra=9, heads=8):
 def read_checkpoint(path, mmap=False):
     """torch.load of a checkpoint, tensors and plain data only; a file it cannot read is named.
     mmap: tensors are read only when used."""
+    if Path(path).is_dir():
+        raise InputError(f"{path} is a folder: expected a checkpoint file, such as {Path(path) / 'best.pt'}")
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # truncated, not torch's format, or pickled objects: all a bad file, not a bug
+        with warnings.catch_warnings():  # torch's notes on pickle protocols: the error says what matters
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError:  # torch's message advises loading it unsafely: not advice to pass on
+        raise InputError(f"{path}: cannot read it as a checkpoint (not torch's format, or it holds objects "
+                         "besides tensors and plain data)") from None
+    except Exception as e:  # truncated, or not a zip file: a bad file, not a bug
         raise InputError(f"{path}: cannot read it as a checkpoint ({first_line(e)})") from None
+
+
+def save_atomic(obj, path):
+    """Write to a temporary file, then rename: a run killed mid-save never leaves a broken file."""
+    tmp = Path(f"{path}.tmp")
+    try:
+        torch.save(obj, tmp)
+    except (OSError, RuntimeError) as e:  # a full disk: torch says "unexpected pos"
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"{path}: cannot write it ({first_line(e)}); is the disk full?") from None
+    os.replace(tmp, path)
 
 
 def first_line(error):

@@ -5,9 +5,11 @@ preprocessing, the image store, and the datasets of both stages, their order and
 The synthetic CLEVR-Change of the offline default is written by synth.py in CLEVR-Change's layout,
 and read here like the real one.
 """
+import argparse
 import functools
 import json
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -28,6 +30,13 @@ from tokenizer import EOT, tokenize
 
 class InputError(ValueError):
     """Bad input from the user (a flag, a file, an id): command lines print it as one line (train.main)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, but a bad flag is refused in one line, not after the whole usage (--help shows it)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 # ---------------------------------------------------------------------------------------------
 # Caption targets
@@ -95,6 +104,8 @@ def read_json(dataset, *candidates, keys=()):
         raise InputError(f"{path}: malformed JSON at {where}: {e.msg}") from None
     except UnicodeDecodeError as e:  # another encoding (UTF-16, Latin-1) or damaged bytes
         raise InputError(f"{path}: byte {e.start} is not UTF-8 ({e.reason}); expected JSON in UTF-8") from None
+    except PermissionError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror})") from None
     expected = f"a list of objects with keys {', '.join(keys)}" if keys else "a JSON object"
     if not isinstance(content, list if keys else dict):
         raise InputError(f"{path}: top level is a {type(content).__name__}; expected {expected}")
@@ -337,10 +348,10 @@ def running(pid):
 
 def build_store(path, files, size):
     """Decode and resize `files` on every core into the uint8 file `path`, written whole or not at all."""
-    tmp, start = scratch(path, "tmp"), time.time()
-    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp, start, shape = scratch(path, "tmp"), time.time(), (len(files), 3, size, size)
     try:
-        pixels = np.memmap(tmp, np.uint8, "w+", shape=(len(files), 3, size, size))
+        claim_space(tmp, math.prod(shape), path)
+        pixels = np.memmap(tmp, np.uint8, "r+", shape=shape)
         with multiprocessing.Pool(min(os.cpu_count() or 1, 1 + len(files) // 64)) as pool:
             for i, image in enumerate(pool.imap(functools.partial(read_array, size=size), files, chunksize=16), 1):
                 pixels[i - 1] = image
@@ -353,6 +364,21 @@ def build_store(path, files, size):
         os.replace(tmp, path)
     finally:  # a failed build (an unreadable image, Ctrl-C) leaves no half file: tens of GB at full scale
         tmp.unlink(missing_ok=True)
+
+
+def claim_space(tmp, nbytes, path):
+    """Create `tmp` with its `nbytes` allocated: a full disk, or a folder one may not write, is then one
+    line here, not a crash (SIGBUS) halfway through filling a memory map."""
+    try:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.truncate(nbytes)
+            if nbytes and hasattr(os, "posix_fallocate"):  # not on macOS: the file stays sparse there
+                os.posix_fallocate(f.fileno(), 0, nbytes)
+    except OSError as e:
+        size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+        raise InputError(f"--cache: cannot write the image store {path} of {size} ({e.strerror}): make room "
+                         "there, or pass --no-cache") from None
 
 
 def sample_rng(seed, epoch, index):

@@ -101,7 +101,7 @@ def retrieval_metrics(sim, text_pair, text_id=None):
         raise ValueError(f"text_id must hold one id for each of the {n_texts} texts, got shape {text_id.shape}")
     # A diverged model's NaNs would compare False everywhere and earn rank 1.
     if not np.isfinite(sim).all():
-        raise ValueError("similarities contain NaN or inf")
+        raise InputError("the similarities hold NaN or inf: the model's training diverged (lower --lr or --lr_clip)")
     uncaptioned = np.flatnonzero(np.bincount(text_pair, minlength=n_pairs) == 0)
     if len(uncaptioned):
         raise ValueError(f"pairs without any caption: {uncaptioned[:5].tolist()}")
@@ -213,6 +213,17 @@ def cider(gts, res):
     return 100.0 * float(Cider().compute_score(gts, res)[0])
 
 
+def meteor(gts, res):
+    """pycocoevalcap's METEOR x100. Interrupted (Ctrl-C), its compute_score keeps a lock that the
+    scorer's clean-up, which stops Java, then waits for forever: the lock is let go here."""
+    scorer = Meteor()
+    try:
+        return 100.0 * float(scorer.compute_score(gts, res)[0])
+    finally:
+        if scorer.lock.locked():
+            scorer.lock.release()
+
+
 def caption_metrics(refs, preds, only=CAPTION_METRICS):
     """BLEU-1..4, METEOR, ROUGE-L and CIDEr (CIDEr-D) x100 of preds {id: caption} against
     refs {id: [captions]}. `only` picks a subset, e.g. ("CIDEr",) skips METEOR's slow Java start."""
@@ -226,7 +237,7 @@ def caption_metrics(refs, preds, only=CAPTION_METRICS):
         bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
         metrics |= {f"BLEU-{n}": 100.0 * float(b) for n, b in enumerate(bleu, start=1)}
     if "METEOR" in only:
-        metrics["METEOR"] = 100.0 * float(Meteor().compute_score(gts, res)[0])
+        metrics["METEOR"] = meteor(gts, res)
     if "ROUGE-L" in only:
         metrics["ROUGE-L"] = 100.0 * float(Rouge().compute_score(gts, res)[0])
     if "CIDEr" in only:
@@ -294,6 +305,8 @@ def read_text(path, expected):
         return Path(path).read_text(encoding="utf-8-sig")
     except (IsADirectoryError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not a text file ({e}); expected {expected}") from None
+    except PermissionError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror})") from None
 
 
 def read_predictions(path):
@@ -309,9 +322,10 @@ def read_predictions(path):
         if not (isinstance(r, dict) and isinstance(r.get("image_id"), (str, int)) and isinstance(r.get("caption"), str)):
             raise InputError(f"{path}: entry {n} is not an object with an image_id and a caption string: {json.dumps(r):.80}")
         data.caption_list([r["caption"]], path, f"entry {n}")  # a lone surrogate, valid JSON, breaks the scorers
-        if r["image_id"] in preds:
+        image_id = str(r["image_id"])  # ids are strings here; IER's uids are numbers in its own files
+        if image_id in preds:
             raise InputError(f"{path}: more than one caption for image_id {r['image_id']!r}")
-        preds[r["image_id"]] = r["caption"]
+        preds[image_id] = r["caption"]
     return preds
 
 
@@ -425,7 +439,7 @@ def check_outputs(outputs, overwrite):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = data.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--predictions", help='score this COCO results json: [{"image_id", "caption"}, ...]')
     parser.add_argument("--ckpt", help="run this checkpoint: best.pt or last.pt of adapt.py or caption.py, "
                         "or the authors' pytorch_model.bin.*")
@@ -461,8 +475,8 @@ def main(argv=None):
             raise InputError(f"--{flag} has no use with {mode}, which takes {takes}")
     defaults = dict(data="clevr", split="test", device="auto", n_intra=9, heads=8)
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
-    if args.attention and Path(args.attention).suffix.lower() not in Image.registered_extensions():
-        parser.error(f"--attention {args.attention}: expected an image file name, such as attention.png")
+    if args.attention and Image.registered_extensions().get(Path(args.attention).suffix.lower()) not in Image.SAVE:
+        parser.error(f"--attention {args.attention}: expected the name of an image file Pillow writes, such as attention.png")
     for flag, out in (("--out", args.out), ("--out_dir", args.out_dir and Path(args.out_dir) / "metrics.json")):
         if out and Path(out).is_dir():
             parser.error(f"{out} is a folder: expected a file to write ({flag})")

@@ -7,7 +7,6 @@ viewpoint and light, and captions in CLEVR-Change's style, written in CLEVR-Chan
 
 scenes.json beside the captions holds the scene graphs the images were drawn from.
 """
-import argparse
 import functools
 import json
 import logging
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data import InputError, check_writable, read_json, scratch
+from data import ArgumentParser, InputError, check_writable, read_json, scratch
 
 log = logging.getLogger("synth")
 
@@ -254,7 +253,7 @@ def ensure_synth(root, pairs=PAIRS, seed=0):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Write the synthetic CLEVR-Change.")
+    parser = ArgumentParser(description="Write the synthetic CLEVR-Change.")
     parser.add_argument("--out", required=True, help="the folder to create")
     parser.add_argument("--pairs", type=int, default=PAIRS)
     parser.add_argument("--seed", type=int, default=0)

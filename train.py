@@ -49,8 +49,9 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
           "attn_dropout": (0, 0.99), "n_intra": (0, None), "n_inter": (0, None), "layers": (1, None),
           "heads": (1, None), "ffn": (1, None), "max_len": (2, None), "seed": (0, 2**32 - 1)}
 # What a resumed run may change: nothing that shapes the model, the optimiser, the data order or the schedule.
+# What a model starts from (--clip, --init_from) may move: last.pt holds the weights, and resume() checks the shape.
 RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
-               "out_dir", "patience")
+               "out_dir", "patience", "clip", "init_from")
 # The CLIP parameters that the authors' scripts freeze in both stages (their --freeze_layer_num 0):
 # the image tower's patch, class and position embeddings and ln_pre, the text tower's embeddings.
 AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre.weight",
@@ -62,16 +63,20 @@ AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.posit
 # ---------------------------------------------------------------------------------------------
 def main(run, argv=None):
     """Run a command line's `run(argv)`: bad input (InputError, a missing file) or a failed download
-    ends in one line on stderr and exit status 2, as argparse does; any other failure keeps its traceback."""
-    status = 0
+    ends in one line on stderr and exit status 2, as argparse does, Ctrl-C in one line and status 130;
+    any other failure keeps its traceback."""
+    status, name = 0, Path(sys.argv[0]).name
     try:
         run(argv)
     except (InputError, FileNotFoundError, ConnectionError) as e:
         message = str(e)
         if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
             message = message.splitlines()[-1].split(": ", 1)[-1]
-        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+        print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
+    except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
+        print(f"{name}: interrupted", file=sys.stderr)
+        status = 130
     if distributed():
         if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
             barrier()
@@ -100,8 +105,7 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors
                          for k, v in preset.items())
     epilog = f"--data synth (the offline default) sets: {flags(synth_defaults)}"
     epilog += "".join(f"; --recipe authors with --data {d} sets: {flags(p)}" for d, p in authors_defaults.items())
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=epilog)
+    parser = data.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
     comments = field_help(config_cls)
     for f in dataclasses.fields(config_cls):
         default = "" if f.default == "" else f" (default: {f.default})"
@@ -134,6 +138,8 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
     processes = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.batch_size % processes:
         raise InputError(f"--batch_size {cfg.batch_size} does not split evenly over {processes} processes")
+    if Path(cfg.data_root).exists() and not Path(cfg.data_root).is_dir():
+        raise InputError(f"--data_root {cfg.data_root}: a file, not a folder")
     if cfg.data != "synth" and not Path(cfg.data_root).is_dir():
         raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
     if cfg.data == "synth" and not Path(cfg.data_root).exists():  # generated there on first use
@@ -174,16 +180,20 @@ def check_run_folder(cfg):
         raise InputError(f"--resume: there is no {out / 'last.pt'} to resume from")
     if cfg.resume:
         saved = clip_weights.read_checkpoint(out / "last.pt", mmap=True)  # no tensor is read
-        if not (isinstance(saved, dict) and {"config", "state", "rng", "model", "optimizer"} <= saved.keys()):
+        if not (isinstance(saved, dict) and {"config", "state", "rng", "model", "model_config", "optimizer"} <= set(saved)):
             raise InputError(f"--resume: {out / 'last.pt'} is not a last.pt of adapt.py or caption.py")
         saved = saved["config"]
+        if ("init_from" in saved) != hasattr(cfg, "init_from"):  # a stage-2 setting
+            other = "caption.py" if "init_from" in saved else "adapt.py"
+            raise InputError(f"--resume: {out / 'last.pt'} is a run of {other}: resume it with {other}")
         changed = {k: v for k, v in differences(saved, asdict(cfg)).items() if k not in RESUME_FREE}
         if changed:
             raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
                              f"{changed}; resume with the same ones")
     elif earlier and not cfg.overwrite:
-        raise InputError(f"{out} holds an earlier run ({', '.join(earlier)}): pass --resume to continue it, "
-                         "--overwrite to start it anew, or another --out_dir")
+        resume = "--resume to continue it, " if (out / "last.pt").is_file() else ""  # no last.pt: nothing resumes
+        raise InputError(f"{out} holds an earlier run ({', '.join(earlier)}): pass {resume}--overwrite to start it "
+                         "anew, or another --out_dir")
 
 
 @contextmanager
@@ -336,13 +346,6 @@ def make_schedule(optimizer, total_steps, warmup, decay):
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
-def save_atomic(obj, path):
-    """Write to a temporary file, then rename: a run killed mid-save never leaves a broken file."""
-    tmp = Path(f"{path}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def rng_state():  # the only global random streams training draws from (dropout)
     return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
 
@@ -359,7 +362,7 @@ def resume(path, run, shape):
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     if changed := differences(ckpt["model_config"], shape):  # the same weights fit another layer split
         raise InputError(f"--resume: {path} holds a model of another shape than the one built now, (saved, now): "
-                         f"{changed}; resume from the same stage-1 file")
+                         f"{changed}; resume with the same --clip")
     for name, obj in run.items():
         if obj is not None and (name in ckpt or name != "scaler"):  # onto fp16 from a run without: a new scaler
             obj.load_state_dict(ckpt[name])
@@ -423,7 +426,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     def save(obj, name):
         while replaced:
             replaced.pop().unlink(missing_ok=True)
-        save_atomic(obj, out / name)
+        clip_weights.save_atomic(obj, out / name)
 
     def checkpoint():
         rngs = gather_objects(rng_state())  # every process's dropout stream
@@ -473,8 +476,11 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                 loss = train_step(batch)
                 state["step"], steps = state["step"] + 1, steps + 1
                 if state["step"] % cfg.log_every == 0 or state["step"] == total:  # the only host syncs: printed values
-                    extra = "".join(f" {k} {v}" for k, v in (log_extra() if log_extra else {}).items())
                     value = loss.item()  # waits for the GPU: the steps since the last line are done
+                    if not math.isfinite(value):
+                        raise InputError(f"step {state['step']}: the loss is {value}, training diverged: lower --lr "
+                                         "or --lr_clip")
+                    extra = "".join(f" {k} {v}" for k, v in (log_extra() if log_extra else {}).items())
                     seconds = time.time() - since
                     print(f"epoch {epoch + 1}/{cfg.epochs} step {state['step']}/{total} loss {value:.4f} "
                           f"lr {max(schedule.get_last_lr()):.2e}{extra} pairs/s {pairs / seconds:.1f} "

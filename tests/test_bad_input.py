@@ -1,6 +1,7 @@
 """Bad or unusual input, as a new user or an adversarial tester would give it: each is refused with
 one line naming the flag, file or id and what was expected (exit status 2, no traceback), and
 nothing on disk changes; or it is handled as the user meant it."""
+import errno
 import json
 import logging
 import os
@@ -32,12 +33,12 @@ SMALL = ["--data", "synth", "--epochs", "1", "--max_steps", "2", "--batch_size",
 
 
 def error_of(capsys, run, *argv):
-    """The last stderr line of the command line `run` given argv, which must end in a refusal."""
+    """The one stderr line of the command line `run` given argv, which must end in a refusal."""
     with pytest.raises(SystemExit) as exit:
         train.main(run, [str(a) for a in argv])
     err = capsys.readouterr().err
-    assert exit.value.code == 2 and "Traceback" not in err, err
-    return err.strip().splitlines()[-1]
+    assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    return err.strip()
 
 
 def snapshot(folder):
@@ -73,6 +74,10 @@ def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(root, tmp_path, ca
     assert error.endswith(f"{out} holds an earlier run (last.pt, best.pt, metrics.json): pass --resume to continue "
                           "it, --overwrite to start it anew, or another --out_dir")
     assert snapshot(out) == before
+    (out / "last.pt").rename(tmp_path / "last.pt")  # without it there is nothing to resume: --resume is not offered
+    assert error_of(capsys, adapt.main, *flags).endswith(f"{out} holds an earlier run (best.pt, metrics.json): pass "
+                                                         "--overwrite to start it anew, or another --out_dir")
+    (tmp_path / "last.pt").rename(out / "last.pt")
     (out / "last.pt.tmp").write_bytes(b"half a checkpoint")  # a write killed in the earlier run
     train.main(adapt.main, [str(f) for f in flags + ["--overwrite", "--seed", "7"]])
     assert sorted(p.name for p in out.iterdir()) == ["best.pt", "last.pt", "metrics.json"]  # no stray .tmp
@@ -153,6 +158,7 @@ def test_the_folder_of_a_killed_run_is_free_at_once_for_its_resume(tmp_path):
     (["--out_dir", "a_file/run"], "a_file is not a folder"),
     (["--out_dir", "a_link/run"], "a_link is not a folder"),  # a link to nowhere
     (["--data_root", "a_file/synth"], "--data_root a_file/synth: "),  # where the synthetic data would go
+    (["--data_root", "a_file"], "--data_root a_file: a file, not a folder"),
     (["--data", "clevr"], "data/clevr: no such folder (--data_root); expected CLEVR-Change's layout"),
     (["--data", "clevr", "--data_root", "nowhere"], "nowhere: no such folder (--data_root); expected CLEVR-Change's"),
     (["--resume", "--overwrite"], "--resume continues the run in --out_dir and --overwrite starts it anew: give one"),
@@ -208,8 +214,16 @@ def test_synth_py_refuses_an_out_it_cannot_write(tmp_path):
     result = subprocess.run([sys.executable, "synth.py", "--out", str(tmp_path / "a_file" / "synth"), "--pairs", "10"],
                             cwd=Path(__file__).parent.parent, capture_output=True, text=True)
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip().splitlines()[-1].endswith(f"{tmp_path / 'a_file'} is not a folder"), result.stderr
-    assert "Traceback" not in result.stderr and sorted(os.listdir(tmp_path)) == ["a_file"]
+    assert result.stderr.endswith(f"{tmp_path / 'a_file'} is not a folder\n") and result.stderr.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+@pytest.mark.parametrize("argv", [["adapt.py"], ["caption.py"], ["evaluate.py"], ["synth.py", "--out", "x"], ["bench.py", "clip"]])
+def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
+    result = subprocess.run([sys.executable, *argv, "--epocs", "2"], cwd=Path(__file__).parent.parent,
+                            capture_output=True, text=True)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"{argv[0]}: error: unrecognized arguments: --epocs 2\n"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -222,7 +236,8 @@ def test_bench_py_refuses_bad_flags_in_one_line(monkeypatch, capsys, argv, messa
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
     with pytest.raises(SystemExit) as exit:
         bench.main()
-    assert exit.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith("bench.py: error: ") and message in err and err.count("\n") == 1
 
 
 def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_1, tmp_path, capsys):
@@ -302,10 +317,30 @@ def test_a_resumed_stage_2_run_may_change_its_patience_alone(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     saved = caption.CaptionConfig(out_dir=str(out), patience=10)  # a run of an earlier default
-    torch.save(dict(config=asdict(saved), state={}, rng=[], model={}, optimizer={}), out / "last.pt")
+    torch.save(dict(config=asdict(saved), state={}, rng=[], model={}, model_config={}, optimizer={}), out / "last.pt")
     train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True))  # patience 11: when to stop, alone
     with pytest.raises(InputError, match=r"'lr': \(0.0001, 0.001\)"):
         train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True, lr=1e-3))
+
+
+def test_a_stage_2_run_resumes_without_its_stage_1_file(root, stage_1, tmp_path):
+    init = tmp_path / "stage1" / "best.pt"
+    init.parent.mkdir()
+    shutil.copy(stage_1 / "best.pt", init)
+    flags = [str(f) for f in [*SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--layers", 1, "--ffn", 32]]
+    train.main(caption.main, flags + ["--init_from", str(init)])
+    metrics = json.loads((tmp_path / "c" / "metrics.json").read_text())
+    (tmp_path / "c" / "metrics.json").unlink()
+    init.unlink()  # the stage-1 file is gone, and was named otherwise: last.pt holds the whole model
+    train.main(caption.main, flags + ["--resume", "--init_from", f"{init.parent}/./best.pt"])
+    assert json.loads((tmp_path / "c" / "metrics.json").read_text()) == metrics
+
+
+def test_resume_of_the_other_stages_run_names_that_stage(root, stage_1, capsys):
+    before = snapshot(stage_1)
+    assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", stage_1, "--resume").endswith(
+        f"--resume: {stage_1 / 'last.pt'} is a run of adapt.py: resume it with adapt.py")
+    assert snapshot(stage_1) == before
 
 
 def test_resume_on_other_data_is_refused(stage_1, tmp_path, capsys):
@@ -318,7 +353,7 @@ def test_resume_on_other_data_is_refused(stage_1, tmp_path, capsys):
 
 
 def test_resume_into_a_model_of_another_shape_is_refused(root, stage_1, tmp_path, capsys):
-    out = tmp_path / "run"  # as when stage 2's --init_from file was swapped for one of another layer split
+    out = tmp_path / "run"  # as when stage 1's --clip file was swapped for one of another layer split
     out.mkdir()
     last = torch.load(stage_1 / "last.pt", weights_only=True)
     last["model_config"]["encoder"]["n_intra"] = 1
@@ -326,7 +361,7 @@ def test_resume_into_a_model_of_another_shape_is_refused(root, stage_1, tmp_path
     before = snapshot(out)
     error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out, "--resume")
     assert error.endswith(f"--resume: {out / 'last.pt'} holds a model of another shape than the one built now, "
-                          "(saved, now): {'encoder.n_intra': (1, 2)}; resume from the same stage-1 file")
+                          "(saved, now): {'encoder.n_intra': (1, 2)}; resume with the same --clip")
     assert snapshot(out) == before
 
 
@@ -341,6 +376,25 @@ def test_resume_without_a_run_says_so(root, tmp_path, capsys):
     error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "new", "--resume")
     assert error.endswith(f"--resume: there is no {tmp_path / 'new' / 'last.pt'} to resume from")
     assert not (tmp_path / "new").exists()
+
+
+def test_ctrl_c_is_one_line_and_a_resume_continues_the_run(root, tmp_path, capsys, monkeypatch):
+    out, flags = tmp_path / "run", [str(f) for f in [*SMALL, "--max_steps", 0, "--data_root", root, "--save_every", 1]]
+    update, calls = train.update, []
+
+    def interrupted_at_step_3(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        update(*args)
+    monkeypatch.setattr(train, "update", interrupted_at_step_3)
+    with pytest.raises(SystemExit) as exit:
+        train.main(adapt.main, flags + ["--out_dir", str(out)])
+    err = capsys.readouterr().err
+    assert exit.value.code == 130 and err.endswith(": interrupted\n") and err.count("\n") == 1, err
+    assert torch.load(out / "last.pt", weights_only=True)["state"]["step"] == 2
+    train.main(adapt.main, flags + ["--out_dir", str(out), "--resume"])
+    assert json.loads((out / "metrics.json").read_text())["test"]
 
 
 def test_a_resumed_run_keeps_every_figure(root, tmp_path):
@@ -453,6 +507,11 @@ def test_checkpoints_that_are_not_ours_are_named(root, stage_1, tmp_path, capsys
         capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from", foreign)
     assert "holds a stage-1 pair encoder: captions need a stage-2 checkpoint" in error_of(
         capsys, evaluate.main, "--ckpt", stage_1 / "last.pt", "--pairs", foreign)  # last.pt loads like best.pt
+    assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
+                    root / "splits.json").endswith(f"error: {root / 'splits.json'}: cannot read it as a checkpoint "
+                                                   "(not torch's format, or it holds objects besides tensors and plain data)")
+    assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
+                    stage_1).endswith(f"{stage_1} is a folder: expected a checkpoint file, such as {stage_1 / 'best.pt'}")
     assert not (tmp_path / "c").exists()
 
 
@@ -502,6 +561,32 @@ def test_prediction_files_are_checked(root, tmp_path, capsys, content, message):
     assert f"{tmp_path / 'preds.json'}: {message}" in error
 
 
+def test_numeric_image_ids_name_the_pairs_whose_ids_read_so(tmp_path):
+    (tmp_path / "p.json").write_text('[{"image_id": 123, "caption": "a"}, {"image_id": "7", "caption": "b"}]')
+    assert evaluate.read_predictions(tmp_path / "p.json") == {"123": "a", "7": "b"}  # IER's uids, as its reader names them
+    (tmp_path / "p.json").write_text('[{"image_id": 123, "caption": "a"}, {"image_id": "123", "caption": "b"}]')
+    with pytest.raises(InputError, match="more than one caption for image_id '123'"):
+        evaluate.read_predictions(tmp_path / "p.json")
+
+
+def test_files_one_may_not_read_are_one_line(root, tmp_path, capsys, monkeypatch):
+    preds = tmp_path / "p.json"
+    evaluate.write_predictions(preds, {"x": "y"})
+    read_text, unreadable = Path.read_text, [preds]
+
+    def denied(path, *args, **kwargs):  # as chmod 000 is for a user other than root, who runs these tests
+        if path in unreadable:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return read_text(path, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", denied)
+    assert error_of(capsys, evaluate.main, "--predictions", preds, "--data", "synth", "--data_root", root).endswith(
+        f"{preds}: cannot read it (Permission denied)")
+    unreadable.append(root / "splits.json")
+    assert error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "run").endswith(
+        f"{root / 'splits.json'}: cannot read it (Permission denied)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_byte_order_mark_is_accepted(tmp_path):
     preds = {"000001.png": "the cube moved"}
     evaluate.write_predictions(tmp_path / "p.json", preds)
@@ -513,8 +598,9 @@ def test_command_line_combinations_are_checked(root, stage_1, tmp_path, capsys):
     image = root / "images" / "CLEVR_default_000000.png"
     preds = tmp_path / "p.json"
     evaluate.write_predictions(preds, {"x": "y"})
-    assert "expected an image file name, such as attention.png" in error_of(
-        capsys, evaluate.main, "--ckpt", stage_1 / "best.pt", "--pair", image, image, "--attention", tmp_path / "fig")
+    for name in ("fig", "fig.psd"):  # Pillow reads PSD, but does not write it
+        assert "expected the name of an image file Pillow writes, such as attention.png" in error_of(
+            capsys, evaluate.main, "--ckpt", stage_1 / "best.pt", "--pair", image, image, "--attention", tmp_path / name)
     assert "give --predictions with --data_root, or --ckpt with one of" in error_of(
         capsys, evaluate.main, "--predictions", preds, "--ckpt", stage_1 / "best.pt", "--pair", image, image)
     assert f"{tmp_path} is a folder: expected a file to write (--out)" in error_of(

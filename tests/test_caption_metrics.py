@@ -1,5 +1,9 @@
 """Caption metrics: the wrapper reproduces pycocoevalcap called directly; CIDEr by change type;
 mismatched ids and a missing Java runtime give clear errors. Each scoring call starts Java."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
@@ -114,3 +118,24 @@ def test_format_table_like_tables_1_and_2():
     lines = format_table(metrics).splitlines()
     assert lines[-2].split() == ["C", "T", "M", "A", "D", "DI"]
     assert lines[-1].split() == ["149.1", "135.3", "91.0", "-", "135.5", "133.4"]
+
+
+INTERRUPTED_METEOR = """
+import evaluate
+from pycocoevalcap.meteor.meteor import Meteor
+
+def interrupted(self, hypothesis, references):  # Ctrl-C while Java scores
+    raise KeyboardInterrupt
+Meteor._stat = interrupted
+try:
+    evaluate.meteor({"a": ["the cube moved"]}, {"a": ["a cube moved"]})
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_an_interrupted_meteor_lets_the_process_end():
+    # pycocoevalcap alone: its clean-up would wait forever for the lock the interrupted scoring kept.
+    result = subprocess.run([sys.executable, "-c", INTERRUPTED_METEOR], cwd=Path(__file__).parent.parent,
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (0, "interrupted\n"), result.stderr

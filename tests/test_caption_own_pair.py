@@ -123,8 +123,8 @@ def cli_error(capsys, *argv):
     with pytest.raises(SystemExit) as exit:
         train.main(evaluate.main, [str(a) for a in argv])
     err = capsys.readouterr().err
-    assert exit.value.code == 2 and "Traceback" not in err
-    return err.strip().splitlines()[-1]
+    assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    return err.strip()
 
 
 @pytest.mark.parametrize("missing", ["ckpt", "image"])

@@ -1,5 +1,6 @@
 """CLIP4IDC's image preprocessing, the image store, and the stage datasets: samples, distractor
 swaps, determinism, workers."""
+import errno
 import json
 import os
 import socket
@@ -134,6 +135,19 @@ def test_an_interrupted_rebuild_leaves_no_index_to_trust(tmp_path, monkeypatch):
     monkeypatch.undo()
     store = data.ImageStore(pairs, 16, tmp_path / "s")
     assert all(torch.equal(store(p.after, 16), data.read_pixels(p.after, 16)) for p in pairs)
+
+
+def test_a_store_the_disk_has_no_room_for_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
+    pairs = write_clevr(tmp_path / "d")
+
+    def full_disk(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full_disk)
+    megabytes = len({q for p in pairs for q in (p.before, p.after, p.distractor)}) * 3 * 224 * 224 / 1e6
+    with pytest.raises(data.InputError, match=rf"--cache: cannot write the image store .*store_224px.u8 of {megabytes:.1f} "
+                                              r"MB \(No space left on device\): make room there, or pass --no-cache"):
+        data.ImageStore(pairs, 224, tmp_path / "s")
+    assert list((tmp_path / "s").iterdir()) == []
 
 
 def test_adapt_samples_every_caption_and_swaps_in_the_distractor_half_the_time(tmp_path):

@@ -7,8 +7,9 @@ import torch
 import data
 import train
 from adapt import AdaptConfig
+from clip_weights import save_atomic
 from model import Captioner, CaptionerConfig
-from train import fit, save_atomic
+from train import fit
 from tiny import tiny_pair_encoder
 
 
@@ -135,18 +136,27 @@ def test_best_checkpoint_follows_the_validation_score_and_patience_stops_early(t
     assert (tmp_path / "best.pt").exists()
 
 
+def test_a_diverged_loss_stops_the_run_at_the_next_progress_line(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_pair_encoder()
+    forward = model.forward
+    model.forward = lambda *batch: forward(*batch) * float("nan")  # as a far too high learning rate ends
+    with pytest.raises(data.InputError, match=r"^step 3: the loss is nan, training diverged: lower --lr or --lr_clip$"):
+        fit(config(tmp_path, log_every=3), model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
+
+
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
     save_atomic({"step": 1}, path)
 
-    def broken_save(obj, f):
+    def broken_save(obj, f):  # as torch.save stops on a full disk
         open(f, "wb").write(b"partial")
-        raise OSError("disk full")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
 
-    monkeypatch.setattr(train.torch, "save", broken_save)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(data.InputError, match=rf"^{path}: cannot write it \(.* unexpected pos 576 vs 534\); is the disk full\?$"):
         save_atomic({"step": 2}, path)
-    assert torch.load(path)["step"] == 1
+    assert torch.load(path)["step"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
 
 
 def test_schedule_warms_up_then_decays_to_zero():
