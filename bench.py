@@ -225,6 +225,7 @@ def bench_loader(args):
 
 def main():
     parser = data.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # metavar: without a usage block, an error names the choices, not the word "what"
     parser.add_argument("what", choices=("clip", "decode", "train", "loader"), metavar="{clip,decode,train,loader}")
     parser.add_argument("--images", type=int, default=4, help="clip: images per encode_image call")
     parser.add_argument("--texts", type=int, default=8, help="clip: texts per encode_text call")

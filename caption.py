@@ -81,8 +81,9 @@ AUTHORS_DEFAULTS = {data: dict(max_len=33, **({"seed": 2021} if data == "clevr" 
 
 def build_captioner(cfg, device):
     if cfg.resume:  # last.pt holds the whole model: the stage-1 file may have moved or gone
-        saved = clip_weights.read_checkpoint(Path(cfg.out_dir) / "last.pt", mmap=True)["model_config"]
-        encoder = clip_weights.model_from_config({"encoder": saved["encoder"]})
+        last = Path(cfg.out_dir) / "last.pt"
+        encoder = clip_weights.model_from_config({"encoder": clip_weights.read_checkpoint(last, mmap=True)["model_config"]
+                                                  .get("encoder")}, last)
     elif cfg.init_from == "openai":
         encoder = build_model(AdaptConfig(init="openai", clip=cfg.clip, n_intra=cfg.n_intra, n_inter=cfg.n_inter))
     else:

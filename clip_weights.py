@@ -9,6 +9,7 @@ Our CLIP parameter names are OpenAI's, so that key mapping is the identity; the 
 read off the tensor shapes, which is why ViT-B/16 and ViT-L/14 load as well. The authors' names
 for the pair encoder and the captioner are mapped to ours key by key (`authors_names`).
 """
+import errno
 import hashlib
 import os
 import pickle
@@ -113,9 +114,12 @@ def save_atomic(obj, path):
     tmp = Path(f"{path}.tmp")
     try:
         torch.save(obj, tmp)
-    except (OSError, RuntimeError) as e:  # a full disk: torch says "unexpected pos"
+    except (OSError, RuntimeError) as e:
         tmp.unlink(missing_ok=True)
-        raise InputError(f"{path}: cannot write it ({first_line(e)}); is the disk full?") from None
+        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in str(e)  # torch's words
+        if not (full or isinstance(e, OSError)):  # anything else (a CUDA error, say) keeps its traceback
+            raise
+        raise InputError(f"{path}: cannot write it ({first_line(e)}){'; is the disk full?' if full else ''}") from None
     os.replace(tmp, path)
 
 

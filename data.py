@@ -6,6 +6,7 @@ The synthetic CLEVR-Change of the offline default is written by synth.py in CLEV
 and read here like the real one.
 """
 import argparse
+import errno
 import functools
 import json
 import logging
@@ -14,6 +15,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import socket
 import time
 from collections import Counter
@@ -299,6 +301,7 @@ class ImageStore:
         whole = self.path.is_file() and self.path.stat().st_size == len(files) * 3 * size * size
         if not (whole and read_index(index_path) == index):
             index_path.unlink(missing_ok=True)  # the index goes last: it vouches for the pixels
+            self.path.unlink(missing_ok=True)  # its space is free for the new one (a reader keeps what it mapped)
             build_store(self.path, files, size)
             (tmp := scratch(index_path, "tmp")).write_text(json.dumps(index))
             os.replace(tmp, index_path)
@@ -352,7 +355,7 @@ def build_store(path, files, size):
     try:
         claim_space(tmp, math.prod(shape), path)
         pixels = np.memmap(tmp, np.uint8, "r+", shape=shape)
-        with multiprocessing.Pool(min(os.cpu_count() or 1, 1 + len(files) // 64)) as pool:
+        with worker_pool(min(os.cpu_count() or 1, 1 + len(files) // 64)) as pool:
             for i, image in enumerate(pool.imap(functools.partial(read_array, size=size), files, chunksize=16), 1):
                 pixels[i - 1] = image
                 if i % 2000 == 0 or i == len(files):
@@ -366,6 +369,12 @@ def build_store(path, files, size):
         tmp.unlink(missing_ok=True)
 
 
+def worker_pool(processes):
+    """A process pool whose workers leave Ctrl-C to the parent, which ends them: else each prints a
+    traceback, and the pool's clean-up may wait forever for one that died mid-task."""
+    return multiprocessing.Pool(processes, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+
+
 def claim_space(tmp, nbytes, path):
     """Create `tmp` with its `nbytes` allocated: a full disk, or a folder one may not write, is then one
     line here, not a crash (SIGBUS) halfway through filling a memory map."""
@@ -376,9 +385,12 @@ def claim_space(tmp, nbytes, path):
             if nbytes and hasattr(os, "posix_fallocate"):  # not on macOS: the file stays sparse there
                 os.posix_fallocate(f.fileno(), 0, nbytes)
     except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL) and tmp.is_file():  # no allocating ahead here: stays sparse
+            return
         size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
-        raise InputError(f"--cache: cannot write the image store {path} of {size} ({e.strerror}): make room "
-                         "there, or pass --no-cache") from None
+        room = "make room there, or " if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise InputError(f"--cache: cannot write the image store {path} of {size} ({e.strerror}): {room}pass "
+                         "--no-cache") from None
 
 
 def sample_rng(seed, epoch, index):

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.meteor.meteor import Meteor
@@ -60,7 +59,7 @@ def encode_split(model, pairs, device, store=None, amp="auto", workers=-1):
         pair_vecs = [model.pool(model.encode_pair(b.to(device), a.to(device))).float() for _, b, a in loader]
         text_vecs = [model.encode_text(t.to(device)).float() for t in tokens.split(256)]
     text_pair = torch.tensor([i for i, _ in captions])
-    text_id = torch.unique(tokens, dim=0, return_inverse=True)[1]  # equal for captions of equal tokens
+    text_id = torch.unique(tokens, dim=0, return_inverse=True)[1]  # tokens, not strings: what the model reads
     return F.normalize(torch.cat(pair_vecs), dim=-1), F.normalize(torch.cat(text_vecs), dim=-1), text_pair, text_id
 
 
@@ -101,7 +100,8 @@ def retrieval_metrics(sim, text_pair, text_id=None):
         raise ValueError(f"text_id must hold one id for each of the {n_texts} texts, got shape {text_id.shape}")
     # A diverged model's NaNs would compare False everywhere and earn rank 1.
     if not np.isfinite(sim).all():
-        raise InputError("the similarities hold NaN or inf: the model's training diverged (lower --lr or --lr_clip)")
+        raise InputError("the similarities hold NaN or inf: the pair encoder's weights are not finite (a training that "
+                         "diverged)")
     uncaptioned = np.flatnonzero(np.bincount(text_pair, minlength=n_pairs) == 0)
     if len(uncaptioned):
         raise ValueError(f"pairs without any caption: {uncaptioned[:5].tolist()}")
@@ -215,7 +215,7 @@ def cider(gts, res):
 
 def meteor(gts, res):
     """pycocoevalcap's METEOR x100. Interrupted (Ctrl-C), its compute_score keeps a lock that the
-    scorer's clean-up, which stops Java, then waits for forever: the lock is let go here."""
+    scorer's clean-up, which stops Java, would then wait on forever: the lock is let go here."""
     scorer = Meteor()
     try:
         return 100.0 * float(scorer.compute_score(gts, res)[0])
@@ -319,7 +319,7 @@ def read_predictions(path):
         raise InputError(f'{path}: expected a list of {{"image_id", "caption"}} objects, not a {type(results).__name__}')
     preds = {}
     for n, r in enumerate(results):
-        if not (isinstance(r, dict) and isinstance(r.get("image_id"), (str, int)) and isinstance(r.get("caption"), str)):
+        if not (isinstance(r, dict) and type(r.get("image_id")) in (str, int) and isinstance(r.get("caption"), str)):
             raise InputError(f"{path}: entry {n} is not an object with an image_id and a caption string: {json.dumps(r):.80}")
         data.caption_list([r["caption"]], path, f"entry {n}")  # a lone surrogate, valid JSON, breaks the scorers
         image_id = str(r["image_id"])  # ids are strings here; IER's uids are numbers in its own files
@@ -475,7 +475,7 @@ def main(argv=None):
             raise InputError(f"--{flag} has no use with {mode}, which takes {takes}")
     defaults = dict(data="clevr", split="test", device="auto", n_intra=9, heads=8)
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
-    if args.attention and Image.registered_extensions().get(Path(args.attention).suffix.lower()) not in Image.SAVE:
+    if args.attention and not figures.pillow_writes(args.attention):
         parser.error(f"--attention {args.attention}: expected the name of an image file Pillow writes, such as attention.png")
     for flag, out in (("--out", args.out), ("--out_dir", args.out_dir and Path(args.out_dir) / "metrics.json")):
         if out and Path(out).is_dir():

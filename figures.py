@@ -2,6 +2,7 @@
 paper's Figure 3 (`evaluate.py --pair B A --attention out.png`), and examples.png, test pairs with
 the generated caption and a reference under them (the end of caption.py).
 """
+import io
 import textwrap
 from pathlib import Path
 
@@ -117,3 +118,12 @@ def save_attention(captioner, before, after, paths, out):
     images = [Image.fromarray(data.read_pixels(p, TILE).permute(1, 2, 0).numpy()) for p in paths]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     attention_figure(images, attention_maps(captioner, before, after)).save(out)
+
+
+def pillow_writes(path):
+    """Whether Pillow writes a colour image in the format of the file name `path`: it reads more than it writes."""
+    try:
+        Image.new("RGB", (1, 1)).save(io.BytesIO(), format=Image.registered_extensions()[Path(path).suffix.lower()])
+    except (KeyError, OSError, ValueError):
+        return False
+    return True

@@ -10,7 +10,6 @@ scenes.json beside the captions holds the scene graphs the images were drawn fro
 import functools
 import json
 import logging
-import multiprocessing
 import os
 import random
 import shutil
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data import ArgumentParser, InputError, check_writable, read_json, scratch
+from data import ArgumentParser, InputError, check_writable, read_json, scratch, worker_pool
 
 log = logging.getLogger("synth")
 
@@ -212,7 +211,7 @@ def write_synth(out, n_pairs, seed, workers=None):
     try:
         for folder in ("images", "sc_images", "nsc_images"):
             (tmp / folder).mkdir(parents=True)
-        with multiprocessing.Pool(workers) as pool:
+        with worker_pool(workers) as pool:
             for name, scene, captions, no_change in pool.imap(functools.partial(draw_pair, seed=seed, folder=tmp),
                                                                range(n_pairs), chunksize=25):
                 files["change_captions"][f"CLEVR_default_{name}"] = captions

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import time
 import typing
@@ -63,7 +64,7 @@ AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.posit
 # ---------------------------------------------------------------------------------------------
 def main(run, argv=None):
     """Run a command line's `run(argv)`: bad input (InputError, a missing file) or a failed download
-    ends in one line on stderr and exit status 2, as argparse does, Ctrl-C in one line and status 130;
+    ends in one line on stderr and exit status 2, as argparse does, Ctrl-C in one line and the signal;
     any other failure keeps its traceback."""
     status, name = 0, Path(sys.argv[0]).name
     try:
@@ -77,6 +78,10 @@ def main(run, argv=None):
     except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
         print(f"{name}: interrupted", file=sys.stderr)
         status = 130
+    if status == 130 and os.name == "posix":  # end by the signal, as shells expect: a script's loop stops too
+        sys.stdout.flush(), sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     if distributed():
         if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
             barrier()
@@ -186,6 +191,8 @@ def check_run_folder(cfg):
         if ("init_from" in saved) != hasattr(cfg, "init_from"):  # a stage-2 setting
             other = "caption.py" if "init_from" in saved else "adapt.py"
             raise InputError(f"--resume: {out / 'last.pt'} is a run of {other}: resume it with {other}")
+        if "init_from" in saved:  # stage 2 rebuilds its model from last.pt: where the run started stays on record
+            cfg.init_from, cfg.clip = saved["init_from"], saved["clip"]
         changed = {k: v for k, v in differences(saved, asdict(cfg)).items() if k not in RESUME_FREE}
         if changed:
             raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
@@ -362,7 +369,7 @@ def resume(path, run, shape):
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     if changed := differences(ckpt["model_config"], shape):  # the same weights fit another layer split
         raise InputError(f"--resume: {path} holds a model of another shape than the one built now, (saved, now): "
-                         f"{changed}; resume with the same --clip")
+                         f"{changed}; resume as the run started")
     for name, obj in run.items():
         if obj is not None and (name in ckpt or name != "scaler"):  # onto fp16 from a run without: a new scaler
             obj.load_state_dict(ckpt[name])

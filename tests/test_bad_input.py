@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -323,17 +324,28 @@ def test_a_resumed_stage_2_run_may_change_its_patience_alone(tmp_path):
         train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True, lr=1e-3))
 
 
-def test_a_stage_2_run_resumes_without_its_stage_1_file(root, stage_1, tmp_path):
-    init = tmp_path / "stage1" / "best.pt"
+def test_a_stage_2_run_resumes_without_its_stage_1_file(root, stage_1, tmp_path, monkeypatch):
+    init, out = tmp_path / "stage1" / "best.pt", tmp_path / "c"
     init.parent.mkdir()
     shutil.copy(stage_1 / "best.pt", init)
-    flags = [str(f) for f in [*SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--layers", 1, "--ffn", 32]]
-    train.main(caption.main, flags + ["--init_from", str(init)])
-    metrics = json.loads((tmp_path / "c" / "metrics.json").read_text())
-    (tmp_path / "c" / "metrics.json").unlink()
-    init.unlink()  # the stage-1 file is gone, and was named otherwise: last.pt holds the whole model
+    flags = [str(f) for f in [*SMALL, "--epochs", 4, "--max_steps", 4, "--save_every", 1, "--data_root", root,
+                              "--out_dir", out, "--layers", 1, "--ffn", 32]]
+    update, steps = train.update, []
+
+    def killed_in_step_3(*args):
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        update(*args)
+    monkeypatch.setattr(train, "update", killed_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        caption.main(flags + ["--init_from", str(init)])
+    monkeypatch.undo()
+    init.unlink()  # the stage-1 file is gone: last.pt holds the whole model
     train.main(caption.main, flags + ["--resume", "--init_from", f"{init.parent}/./best.pt"])
-    assert json.loads((tmp_path / "c" / "metrics.json").read_text()) == metrics
+    last = torch.load(out / "last.pt", weights_only=True)
+    assert last["state"]["step"] == 4 and last["config"]["init_from"] == str(init)  # where it started, on record
+    assert json.loads((out / "metrics.json").read_text())["test"]
 
 
 def test_resume_of_the_other_stages_run_names_that_stage(root, stage_1, capsys):
@@ -361,7 +373,7 @@ def test_resume_into_a_model_of_another_shape_is_refused(root, stage_1, tmp_path
     before = snapshot(out)
     error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out, "--resume")
     assert error.endswith(f"--resume: {out / 'last.pt'} holds a model of another shape than the one built now, "
-                          "(saved, now): {'encoder.n_intra': (1, 2)}; resume with the same --clip")
+                          "(saved, now): {'encoder.n_intra': (1, 2)}; resume as the run started")
     assert snapshot(out) == before
 
 
@@ -378,23 +390,35 @@ def test_resume_without_a_run_says_so(root, tmp_path, capsys):
     assert not (tmp_path / "new").exists()
 
 
-def test_ctrl_c_is_one_line_and_a_resume_continues_the_run(root, tmp_path, capsys, monkeypatch):
-    out, flags = tmp_path / "run", [str(f) for f in [*SMALL, "--max_steps", 0, "--data_root", root, "--save_every", 1]]
-    update, calls = train.update, []
+def interrupt(argv, ready, cwd=Path(__file__).parent.parent):
+    """Run `python argv` and press Ctrl-C once `ready()`: (exit status, stderr)."""
+    run = subprocess.Popen([sys.executable, *map(str, argv)], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True, process_group=0,  # its loader or pool workers get the signal too, as in a terminal
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background job ignores it
+    for _ in range(600):
+        if ready() or run.poll() is not None:
+            break
+        time.sleep(0.1)
+    os.killpg(run.pid, signal.SIGINT)
+    return run.wait(timeout=60), run.communicate()[1]
 
-    def interrupted_at_step_3(*args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        update(*args)
-    monkeypatch.setattr(train, "update", interrupted_at_step_3)
-    with pytest.raises(SystemExit) as exit:
-        train.main(adapt.main, flags + ["--out_dir", str(out)])
-    err = capsys.readouterr().err
-    assert exit.value.code == 130 and err.endswith(": interrupted\n") and err.count("\n") == 1, err
-    assert torch.load(out / "last.pt", weights_only=True)["state"]["step"] == 2
-    train.main(adapt.main, flags + ["--out_dir", str(out), "--resume"])
+
+def test_ctrl_c_is_one_line_ends_by_the_signal_and_a_resume_continues_the_run(root, tmp_path):
+    out = tmp_path / "run"
+    flags = [*SMALL, "--max_steps", 0, "--epochs", 3, "--data_root", root, "--save_every", 1, "--out_dir", out]
+    status, err = interrupt(["adapt.py", *flags], ready=lambda: (out / "last.pt").exists())
+    assert status == -signal.SIGINT and err.endswith("adapt.py: interrupted\n") and "Traceback" not in err, err
+    step = torch.load(out / "last.pt", weights_only=True)["state"]["step"]
+    train.main(adapt.main, [str(f) for f in flags + ["--resume"]])
+    assert 1 <= step < torch.load(out / "last.pt", weights_only=True)["state"]["step"]
     assert json.loads((out / "metrics.json").read_text())["test"]
+
+
+def test_ctrl_c_while_drawing_the_synthetic_data_leaves_nothing(tmp_path):
+    status, err = interrupt(["adapt.py", "--data_root", tmp_path / "synth", "--out_dir", tmp_path / "run"],
+                            ready=lambda: any(tmp_path.glob("synth.*/images/*.png")))
+    assert status == -signal.SIGINT and err.splitlines()[1:] == ["adapt.py: interrupted"], err  # after "generating"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_resumed_run_keeps_every_figure(root, tmp_path):
@@ -567,6 +591,9 @@ def test_numeric_image_ids_name_the_pairs_whose_ids_read_so(tmp_path):
     (tmp_path / "p.json").write_text('[{"image_id": 123, "caption": "a"}, {"image_id": "123", "caption": "b"}]')
     with pytest.raises(InputError, match="more than one caption for image_id '123'"):
         evaluate.read_predictions(tmp_path / "p.json")
+    (tmp_path / "p.json").write_text('[{"image_id": true, "caption": "a"}]')  # a number to json, but no uid
+    with pytest.raises(InputError, match="entry 0 is not an object with an image_id and a caption string"):
+        evaluate.read_predictions(tmp_path / "p.json")
 
 
 def test_files_one_may_not_read_are_one_line(root, tmp_path, capsys, monkeypatch):
@@ -598,7 +625,7 @@ def test_command_line_combinations_are_checked(root, stage_1, tmp_path, capsys):
     image = root / "images" / "CLEVR_default_000000.png"
     preds = tmp_path / "p.json"
     evaluate.write_predictions(preds, {"x": "y"})
-    for name in ("fig", "fig.psd"):  # Pillow reads PSD, but does not write it
+    for name in ("fig", "fig.psd", "fig.xbm"):  # Pillow reads PSD but does not write it; XBM only in black and white
         assert "expected the name of an image file Pillow writes, such as attention.png" in error_of(
             capsys, evaluate.main, "--ckpt", stage_1 / "best.pt", "--pair", image, image, "--attention", tmp_path / name)
     assert "give --predictions with --data_root, or --ckpt with one of" in error_of(

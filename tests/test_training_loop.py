@@ -145,16 +145,22 @@ def test_a_diverged_loss_stops_the_run_at_the_next_progress_line(tmp_path):
         fit(config(tmp_path, log_every=3), model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
 
 
-def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error, message", [
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),  # torch.save, disk full
+     r"cannot write it \(.* unexpected pos 576 vs 534\); is the disk full\?$"),
+    (PermissionError(13, "Permission denied"), r"cannot write it \(\[Errno 13\] Permission denied\)$"),
+    (RuntimeError("CUDA error: an illegal memory access"), None),  # not a failed write: its traceback stays
+])
+def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch, error, message):
     path = tmp_path / "last.pt"
     save_atomic({"step": 1}, path)
 
-    def broken_save(obj, f):  # as torch.save stops on a full disk
+    def broken_save(obj, f):
         open(f, "wb").write(b"partial")
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+        raise error
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(data.InputError, match=rf"^{path}: cannot write it \(.* unexpected pos 576 vs 534\); is the disk full\?$"):
+    with pytest.raises(data.InputError if message else RuntimeError, match=rf"^{path}: {message}" if message else "CUDA"):
         save_atomic({"step": 2}, path)
     assert torch.load(path)["step"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
 
