@@ -10,7 +10,6 @@ import errno
 import functools
 import json
 import logging
-import math
 import multiprocessing
 import os
 import random
@@ -106,8 +105,6 @@ def read_json(dataset, *candidates, keys=()):
         raise InputError(f"{path}: malformed JSON at {where}: {e.msg}") from None
     except UnicodeDecodeError as e:  # another encoding (UTF-16, Latin-1) or damaged bytes
         raise InputError(f"{path}: byte {e.start} is not UTF-8 ({e.reason}); expected JSON in UTF-8") from None
-    except PermissionError as e:
-        raise InputError(f"{path}: cannot read it ({e.strerror})") from None
     expected = f"a list of objects with keys {', '.join(keys)}" if keys else "a JSON object"
     if not isinstance(content, list if keys else dict):
         raise InputError(f"{path}: top level is a {type(content).__name__}; expected {expected}")
@@ -300,8 +297,8 @@ class ImageStore:
         index, index_path = {"size": size, "files": [[f, *stamp(f)] for f in files]}, self.path.with_suffix(".json")
         whole = self.path.is_file() and self.path.stat().st_size == len(files) * 3 * size * size
         if not (whole and read_index(index_path) == index):
-            index_path.unlink(missing_ok=True)  # the index goes last: it vouches for the pixels
-            self.path.unlink(missing_ok=True)  # its space is free for the new one (a reader keeps what it mapped)
+            for stale in (index_path, self.path):  # the index first, as it vouches for the pixels; then their space
+                stale.unlink(missing_ok=True)
             build_store(self.path, files, size)
             (tmp := scratch(index_path, "tmp")).write_text(json.dumps(index))
             os.replace(tmp, index_path)
@@ -351,10 +348,10 @@ def running(pid):
 
 def build_store(path, files, size):
     """Decode and resize `files` on every core into the uint8 file `path`, written whole or not at all."""
-    tmp, start, shape = scratch(path, "tmp"), time.time(), (len(files), 3, size, size)
+    tmp, start = scratch(path, "tmp"), time.time()
     try:
-        claim_space(tmp, math.prod(shape), path)
-        pixels = np.memmap(tmp, np.uint8, "r+", shape=shape)
+        claim_space(tmp, len(files) * 3 * size * size, path)
+        pixels = np.memmap(tmp, np.uint8, "r+", shape=(len(files), 3, size, size))
         with worker_pool(min(os.cpu_count() or 1, 1 + len(files) // 64)) as pool:
             for i, image in enumerate(pool.imap(functools.partial(read_array, size=size), files, chunksize=16), 1):
                 pixels[i - 1] = image
@@ -370,14 +367,12 @@ def build_store(path, files, size):
 
 
 def worker_pool(processes):
-    """A process pool whose workers leave Ctrl-C to the parent, which ends them: else each prints a
-    traceback, and the pool's clean-up may wait forever for one that died mid-task."""
+    """Processes that leave Ctrl-C to the parent, which ends them: else each prints a traceback, and the pool may hang."""
     return multiprocessing.Pool(processes, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
 
 
 def claim_space(tmp, nbytes, path):
-    """Create `tmp` with its `nbytes` allocated: a full disk, or a folder one may not write, is then one
-    line here, not a crash (SIGBUS) halfway through filling a memory map."""
+    """Create `tmp` with its `nbytes` allocated: a full disk is then one line here, not SIGBUS amid a memory map."""
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
@@ -389,8 +384,7 @@ def claim_space(tmp, nbytes, path):
             return
         size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
         room = "make room there, or " if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        raise InputError(f"--cache: cannot write the image store {path} of {size} ({e.strerror}): {room}pass "
-                         "--no-cache") from None
+        raise InputError(f"--cache: cannot write the image store {path} of {size} ({e.strerror}): {room}pass --no-cache") from None
 
 
 def sample_rng(seed, epoch, index):

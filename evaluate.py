@@ -305,8 +305,6 @@ def read_text(path, expected):
         return Path(path).read_text(encoding="utf-8-sig")
     except (IsADirectoryError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not a text file ({e}); expected {expected}") from None
-    except PermissionError as e:
-        raise InputError(f"{path}: cannot read it ({e.strerror})") from None
 
 
 def read_predictions(path):

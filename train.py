@@ -63,13 +63,13 @@ AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.posit
 # Flags, run folder, processes, device and precision
 # ---------------------------------------------------------------------------------------------
 def main(run, argv=None):
-    """Run a command line's `run(argv)`: bad input (InputError, a missing file) or a failed download
+    """Run a command line's `run(argv)`: bad input (InputError, a missing or unreadable file) or a failed download
     ends in one line on stderr and exit status 2, as argparse does, Ctrl-C in one line and the signal;
     any other failure keeps its traceback."""
     status, name = 0, Path(sys.argv[0]).name
     try:
         run(argv)
-    except (InputError, FileNotFoundError, ConnectionError) as e:
+    except (InputError, FileNotFoundError, PermissionError, ConnectionError) as e:
         message = str(e)
         if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
             message = message.splitlines()[-1].split(": ", 1)[-1]
@@ -143,11 +143,9 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
     processes = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.batch_size % processes:
         raise InputError(f"--batch_size {cfg.batch_size} does not split evenly over {processes} processes")
-    if Path(cfg.data_root).exists() and not Path(cfg.data_root).is_dir():
-        raise InputError(f"--data_root {cfg.data_root}: a file, not a folder")
     if cfg.data != "synth" and not Path(cfg.data_root).is_dir():
         raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
-    if cfg.data == "synth" and not Path(cfg.data_root).exists():  # generated there on first use
+    if cfg.data == "synth" and not Path(cfg.data_root).is_dir():  # generated there on first use
         data.check_writable(cfg.data_root, "--data_root")
     check_run_folder(cfg)
     device = setup_device(cfg)

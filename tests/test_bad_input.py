@@ -159,7 +159,6 @@ def test_the_folder_of_a_killed_run_is_free_at_once_for_its_resume(tmp_path):
     (["--out_dir", "a_file/run"], "a_file is not a folder"),
     (["--out_dir", "a_link/run"], "a_link is not a folder"),  # a link to nowhere
     (["--data_root", "a_file/synth"], "--data_root a_file/synth: "),  # where the synthetic data would go
-    (["--data_root", "a_file"], "--data_root a_file: a file, not a folder"),
     (["--data", "clevr"], "data/clevr: no such folder (--data_root); expected CLEVR-Change's layout"),
     (["--data", "clevr", "--data_root", "nowhere"], "nowhere: no such folder (--data_root); expected CLEVR-Change's"),
     (["--resume", "--overwrite"], "--resume continues the run in --out_dir and --overwrite starts it anew: give one"),
@@ -171,6 +170,14 @@ def test_flags_are_checked_before_anything_is_built(tmp_path, capsys, monkeypatc
     (tmp_path / "a_link").symlink_to(tmp_path / "nowhere")
     assert message in error_of(capsys, adapt.main, *flags)
     assert sorted(os.listdir(tmp_path)) == ["a_file", "a_link"]  # no data generated, no run folder
+
+
+def test_a_file_as_the_data_root_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("not a folder")
+    assert error_of(capsys, adapt.main, "--data_root", "a_file").endswith(
+        f"--data_root a_file: {tmp_path / 'a_file'} is not a folder")
+    assert os.listdir(tmp_path) == ["a_file"]
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
@@ -607,10 +614,10 @@ def test_files_one_may_not_read_are_one_line(root, tmp_path, capsys, monkeypatch
         return read_text(path, *args, **kwargs)
     monkeypatch.setattr(Path, "read_text", denied)
     assert error_of(capsys, evaluate.main, "--predictions", preds, "--data", "synth", "--data_root", root).endswith(
-        f"{preds}: cannot read it (Permission denied)")
+        f"[Errno 13] Permission denied: '{preds}'")
     unreadable.append(root / "splits.json")
     assert error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "run").endswith(
-        f"{root / 'splits.json'}: cannot read it (Permission denied)")
+        f"[Errno 13] Permission denied: '{root / 'splits.json'}'")
     assert not (tmp_path / "run").exists()
 
 
