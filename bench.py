@@ -223,7 +223,7 @@ def bench_loader(args):
                   f"{n / (time.perf_counter() - start):8.0f} pairs/s", flush=True)
 
 
-def main():
+def main(argv=None):
     parser = data.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # metavar: without a usage block, an error names the choices, not the word "what"
     parser.add_argument("what", choices=("clip", "decode", "train", "loader"), metavar="{clip,decode,train,loader}")
@@ -246,7 +246,7 @@ def main():
     parser.add_argument("--workers", type=int, default=-1, help="train: loader processes of train.fit")
     parser.add_argument("--workers_list", type=int, nargs="+", default=[1, 2, 4, 8], help="loader: worker counts")
     parser.add_argument("--seconds", type=float, default=10, help="loader: time per measurement")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.batch is not None and args.batch < 1:
         parser.error(f"--batch {args.batch}: expected at least 1")
     if args.what == "loader" and not args.data_root:
@@ -259,4 +259,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    train.main(main)  # bad input, a full disk or Ctrl-C: one line

@@ -203,11 +203,10 @@ def check_run_folder(cfg):
 
 @contextmanager
 def locked(out):
-    """Hold out/.lock while training (the system frees it too if the process dies), so a second run on
-    the same folder is refused rather than racing on the same files. A POSIX lock (lockf), not flock:
-    the loader workers a run forks would hold a flock for seconds after the run is killed, and refuse
-    its --resume. A folder it made is removed if the run ends before writing anything into it, and so
-    are the folders made above it."""
+    """Hold out/.lock while training, so that a second run on the folder is refused rather than racing on
+    its files, and remove what a killed write left (*.tmp). A POSIX lock (lockf), not flock: a killed run's
+    loader workers would hold a flock for seconds and refuse its --resume. The system frees the lock if the
+    process dies. Folders it made are removed if the run ends before writing anything into them."""
     made = [p for p in (out, *out.parents) if not p.exists()]  # the deepest first
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:
@@ -216,6 +215,8 @@ def locked(out):
                 fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, as the system says it
                 raise InputError(f"{out} is in use by another run; wait for it, or give another --out_dir") from None
+        for leftover in out.glob("*.tmp"):
+            leftover.unlink()
         try:
             yield
         finally:
@@ -246,8 +247,7 @@ def setup_device(cfg):
         # A long timeout: the other processes wait while rank 0 builds the image store, validates or tests.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=2),
                                 device_id=device if device.type == "cuda" else None)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return device
 
 
@@ -425,7 +425,6 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     graphs = cfg.compile and device.type == "cuda" and not distributed()
     net = torch.compile(net, mode="reduce-overhead" if graphs else None) if cfg.compile else net
     saved = dict(config=asdict(cfg), model_config=clip_weights.model_config(model))
-
     replaced = [out / name for name in RUN_FILES if cfg.overwrite]  # kept until this run has something to save
 
     def save(obj, name):
@@ -433,7 +432,12 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
             replaced.pop().unlink(missing_ok=True)
         clip_weights.save_atomic(obj, out / name)
 
+    def diverged(what):
+        return InputError(f"step {state['step']}: {what}, training diverged: lower --lr or --lr_clip")
+
     def checkpoint():
+        if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # alike in every process
+            raise diverged("the weights are not finite")  # and the last good last.pt stays
         rngs = gather_objects(rng_state())  # every process's dropout stream
         if rank() == 0:
             save(dict(**{k: v.state_dict() for k, v in run.items() if v is not None}, state=state, rng=rngs, **saved),
@@ -464,9 +468,6 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
         checkpoint()
 
     with locked(out) if rank() == 0 else nullcontext():
-        if rank() == 0:
-            for leftover in out.glob("*.tmp"):
-                leftover.unlink()  # a killed write's
         barrier()
         if cfg.resume:
             state = resume(out / "last.pt", run, saved["model_config"])
@@ -480,11 +481,10 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                 pairs += batch[1].shape[:-3].numel() * world()  # after images [B, (k,) 3, H, W], all processes
                 loss = train_step(batch)
                 state["step"], steps = state["step"] + 1, steps + 1
-                if state["step"] % cfg.log_every == 0 or state["step"] == total:  # the only host syncs: printed values
-                    value = loss.item()  # waits for the GPU: the steps since the last line are done
+                if state["step"] % cfg.log_every == 0 or state["step"] == total:  # host syncs: printed values, saves
+                    value = sum(gather_objects(loss.item())) / world()  # the global batch's: all stop at a NaN together
                     if not math.isfinite(value):
-                        raise InputError(f"step {state['step']}: the loss is {value}, training diverged: lower --lr "
-                                         "or --lr_clip")
+                        raise diverged(f"the loss is {value}")
                     extra = "".join(f" {k} {v}" for k, v in (log_extra() if log_extra else {}).items())
                     seconds = time.time() - since
                     print(f"epoch {epoch + 1}/{cfg.epochs} step {state['step']}/{total} loss {value:.4f} "

@@ -504,6 +504,15 @@ def test_an_unreadable_training_image_is_one_line_and_leaves_no_run_folder(root,
     assert sorted(os.listdir(tmp_path)) == ["synth"]  # nor the folders made above the run's
 
 
+def test_an_unreadable_image_is_one_line_in_bench_py_too(root, tmp_path, capsys):
+    shutil.copytree(root, tmp_path / "synth", ignore=shutil.ignore_patterns("store_*"))
+    image = tmp_path / "synth" / "images" / "CLEVR_default_000000.png"
+    image.write_bytes(image.read_bytes()[:200])
+    error = error_of(capsys, bench.main, "loader", "--data_root", tmp_path / "synth", "--preset", "small")
+    assert error.split(": error: ", 1)[1].startswith(f"{image}: cannot read image")
+    assert not list((tmp_path / "synth").glob("store_*"))
+
+
 def test_an_unreadable_test_image_met_after_training_says_where_the_trained_model_is(root, stage_1, tmp_path, capsys):
     shutil.copytree(root, tmp_path / "synth", ignore=shutil.ignore_patterns("store_*"))
     image = tmp_path / "synth" / "sc_images" / "CLEVR_semantic_000028.png"  # a test pair's, read after training

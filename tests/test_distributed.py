@@ -1,7 +1,8 @@
 """Several processes through torchrun (gloo on CPU): 2 processes with half the global batch each
-train both stages to the weights of 1 process with the whole batch, a killed 2-process run
-resumes to the same weights, and each process draws its own dropout masks."""
+train both stages to the weights of 1 process with the whole batch and print its losses, a killed
+2-process run resumes to the same weights, and each process draws its own dropout masks."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import torch
 import synth
 
 ROOT = Path(__file__).parent.parent
-CPU = ["--device", "cpu", "--workers", "0"]  # gloo, on any machine: a CUDA host may have fewer GPUs than processes
+# gloo, on any machine: a CUDA host may have fewer GPUs than processes
+CPU = ["--device", "cpu", "--workers", "0", "--log_every", "2"]
 STAGE_1 = [*CPU, "--epochs", "1", "--max_steps", "8", "--batch_size", "8", "--save_every", "2"]
 STAGE_2 = [*CPU, "--epochs", "1", "--max_steps", "4", "--batch_size", "4", "--layers", "1", "--ffn", "64",
            "--dropout", "0"]  # dropout draws other masks in 2 processes than in 1
@@ -51,14 +53,15 @@ def runs(tmp_path_factory):
     out = {}
     for processes in (1, 2):
         out[1, processes] = tmp / f"adapt{processes}"
-        log = train("adapt.py", processes, "--data_root", str(tmp / "synth"), "--out_dir", str(out[1, processes]),
-                    *STAGE_1)
+        out["log", 1, processes] = log = train("adapt.py", processes, "--data_root", str(tmp / "synth"),
+                                               "--out_dir", str(out[1, processes]), *STAGE_1)
         assert (f"\n{processes} processes" in log) == (processes > 1)
         assert log.count("holds 60 pairs, not the 5600 asked for") == 1, log  # rank 0 alone checks the data
     for processes in (1, 2):
         out[2, processes] = tmp / f"caption{processes}"
-        train("caption.py", processes, "--data_root", str(tmp / "synth"), "--out_dir", str(out[2, processes]),
-              "--init_from", str(out[1, 1] / "best.pt"), *STAGE_2)
+        out["log", 2, processes] = train("caption.py", processes, "--data_root", str(tmp / "synth"),
+                                         "--out_dir", str(out[2, processes]), "--init_from", str(out[1, 1] / "best.pt"),
+                                         *STAGE_2)
     out["tmp"] = tmp
     return out
 
@@ -66,6 +69,12 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_two_processes_reach_the_weights_of_one(runs, stage):
     assert_same_weights(weights(runs[stage, 1]), weights(runs[stage, 2]))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_processes_print_the_loss_of_one(runs, stage):  # the global batch's, not rank 0's half of it
+    losses = [re.findall(r" loss (\S+)", runs["log", stage, processes]) for processes in (1, 2)]
+    assert losses[0] == losses[1] and len(losses[0]) >= 2
 
 
 def test_the_runs_compared_did_train(runs):

@@ -145,6 +145,21 @@ def test_a_diverged_loss_stops_the_run_at_the_next_progress_line(tmp_path):
         fit(config(tmp_path, log_every=3), model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
 
 
+def test_weights_gone_nan_are_not_saved_over_the_last_good_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model, steps = tiny_pair_encoder(), []
+
+    def break_at_step_3():  # an update with inf gradients: the loss is still finite
+        steps.append(1)
+        if len(steps) == 3:
+            next(model.parameters()).data.fill_(float("inf"))
+    with pytest.raises(data.InputError, match=r"^step 4: the weights are not finite, training diverged"):
+        fit(config(tmp_path, save_every=2), model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine",
+            after_step=break_at_step_3)
+    last = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert last["state"]["step"] == 2 and all(w.isfinite().all() for w in last["model"].values())
+
+
 @pytest.mark.parametrize("error, message", [
     (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),  # torch.save, disk full
      r"cannot write it \(.* unexpected pos 576 vs 534\); is the disk full\?$"),
