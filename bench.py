@@ -47,9 +47,7 @@ def seconds(fn, *args):
     return time.perf_counter() - start
 
 
-# ---------------------------------------------------------------------------------------------
-# clip, decode
-# ---------------------------------------------------------------------------------------------
+# ---- clip, decode -------------------------------------------------------------------------------
 def compare(name, ours, ref, x, repeats):
     for fn in (ours, ref):  # warmup: allocator, thread pool and kernel selection
         fn(x)
@@ -96,9 +94,7 @@ def bench_decode(args):
           f"identical captions: {torch.equal(cached, recomputed)}")
 
 
-# ---------------------------------------------------------------------------------------------
-# train, loader
-# ---------------------------------------------------------------------------------------------
+# ---- train, loader ------------------------------------------------------------------------------
 def stage_model(args):
     """The stage's model at the paper's size (or the offline preset) and a random batch of its shape."""
     clip = adapt.SMALL_CLIP if args.preset == "small" else CLIPConfig()

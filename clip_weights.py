@@ -53,9 +53,7 @@ def load(name_or_path, device="cpu", root=CACHE_DIR):
     return model.to(device).eval()
 
 
-# ---------------------------------------------------------------------------------------------
-# this project's checkpoints: best.pt and last.pt of adapt.py and caption.py
-# ---------------------------------------------------------------------------------------------
+# ---- this project's checkpoints: best.pt and last.pt of adapt.py and caption.py -----------------
 def model_config(model):
     """What rebuilds `model`'s architecture (a CLIP4IDC, or a Captioner on one), saved beside its weights."""
     if isinstance(model, Captioner):
@@ -127,9 +125,7 @@ def first_line(error):
     return (str(error).splitlines() or [type(error).__name__])[0]
 
 
-# ---------------------------------------------------------------------------------------------
-# the authors' checkpoints (github.com/sushizixin/CLIP4IDC): pytorch_model.bin.clevr, .spot
-# ---------------------------------------------------------------------------------------------
+# ---- the authors' checkpoints (github.com/sushizixin/CLIP4IDC): pytorch_model.bin.clevr, .spot --
 AUTHORS_PAIR = {"e1": "visual.bef_embedding", "e2": "visual.aft_embedding", "pair_pos": "visual.joint_positional_embedding",
                 "ln_inter.weight": "visual.ln_mid.weight", "ln_inter.bias": "visual.ln_mid.bias"}
 # Their captioner's word embeddings, position embeddings and output layer are CLIP's own tensors,
@@ -210,9 +206,7 @@ def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
     return model
 
 
-# ---------------------------------------------------------------------------------------------
-# reading a checkpoint
-# ---------------------------------------------------------------------------------------------
+# ---- reading a checkpoint -----------------------------------------------------------------------
 def read_state_dict(path):
     """OpenAI key -> tensor, without the metadata keys.
 
@@ -295,9 +289,7 @@ def load_weights(model, sd, name="checkpoint"):
             ours[k].copy_(v)  # the release stores most weights in fp16; copy_ casts to our fp32
 
 
-# ---------------------------------------------------------------------------------------------
-# downloading a release
-# ---------------------------------------------------------------------------------------------
+# ---- downloading a release ----------------------------------------------------------------------
 def download(url, root=CACHE_DIR):
     """Fetch `url` into `root` once and return its path; the file must match the SHA-256 in the URL.
 

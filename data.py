@@ -39,9 +39,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
-# ---------------------------------------------------------------------------------------------
-# Caption targets
-# ---------------------------------------------------------------------------------------------
+# ---- Caption targets ----------------------------------------------------------------------------
 IGNORE = -100  # target id of the padding after a caption's EOT: no loss
 
 
@@ -50,9 +48,7 @@ def next_tokens(tokens):
     return tokens[:, 1:].masked_fill(torch.cumsum(tokens == EOT, dim=1)[:, :-1] > 0, IGNORE)
 
 
-# ---------------------------------------------------------------------------------------------
-# The three benchmarks, read in the layouts their authors publish
-# ---------------------------------------------------------------------------------------------
+# ---- The three benchmarks, read in the layouts their authors publish ----------------------------
 log = logging.getLogger("data")
 SOURCES = {  # name, expected layout, where it is published
     "clevr": ("CLEVR-Change", "images/CLEVR_default_%06d.png, sc_images/CLEVR_semantic_%06d.png, "
@@ -200,14 +196,12 @@ def read_split(dataset, root, split):
     if not root.is_dir():
         raise missing(dataset, root, "no such folder")
     pairs = {"clevr": read_clevr, "spot": read_spot, "ier": read_ier}[dataset](root, split)
-    repeated = [i for i, n in Counter(p.id for p in pairs).items() if n > 1]
-    if repeated:
+    if repeated := [i for i, n in Counter(p.id for p in pairs).items() if n > 1]:
         raise InputError(f"{root} {split}: ids {repeated[:5]} name more than one pair; each pair needs its own id")
     pairs = without_blank_captions(pairs, f"{root} {split}")
     if not pairs:  # an empty split would hang METEOR's java process or fail deep in the model
         raise InputError(f"{root} {split}: no pairs; each split needs at least one")
-    lacking = [(p.id, q) for p in pairs for q in (p.before, p.after, p.distractor) if q and not q.is_file()]
-    if lacking:
+    if lacking := [(p.id, q) for p in pairs for q in (p.before, p.after, p.distractor) if q and not q.is_file()]:
         ids = list(dict.fromkeys(i for i, _ in lacking))
         raise missing(dataset, lacking[0][1], f"not found, and {len(ids)} of {len(pairs)} {split} pairs lack "
                                               f"image files (ids {', '.join(ids[:5])}{', ...' * (len(ids) > 5)})")
@@ -244,9 +238,7 @@ def eval_items(pairs):
     return items
 
 
-# ---------------------------------------------------------------------------------------------
-# Preprocessing as CLIP4IDC does it, and the datasets of the two stages
-# ---------------------------------------------------------------------------------------------
+# ---- Preprocessing as CLIP4IDC does it, and the datasets of the two stages ----------------------
 def read_pixels(path, size):
     """uint8 [3,size,size]: RGB (a gif's first frame), the whole image resized bicubic, no crop.
     The model normalises them (model.VisionTransformer.embed)."""
@@ -282,21 +274,23 @@ def format_eta(seconds):
 
 
 class ImageStore:
-    """Every image of `pairs` resized once to `size` px and kept as uint8 in one memory-mapped file,
-    `<folder>/store_<size>px.u8` (3 * size * size bytes an image: 150 KB at 224 px); called like
-    `read_pixels`. Decoding and resizing a PNG costs ~30x more than reading stored pixels (see
-    bench.py), and pages come from disk as they are read, so memory use does not grow with the
-    dataset. The index beside it (`.json`) records each file's size and modification time: another
-    image list, size, or a replaced file rebuilds the store, as do an unreadable index and a store file
-    of another length (a copy cut short, a full disk)."""
+    """Every image of `pairs` resized once to `size` px, kept as uint8 in one memory-mapped file
+    `<folder>/store_<size>px.u8` (150 KB an image at 224 px) and called like `read_pixels`: ~30x cheaper
+    than decoding a PNG (bench.py), and memory does not grow with the dataset. Its index (`.json`) holds
+    each file's size and modification time: another image list or size, a replaced file, an unreadable
+    index or a store of another length (a copy cut short, a full disk) rebuilds it."""
 
     def __init__(self, pairs, size, folder):
         files = sorted({os.path.abspath(q) for p in pairs for q in (p.before, p.after, p.distractor) if q})
         self.path, self.size, self.pixels = Path(folder) / f"store_{size}px.u8", size, None
         self.row = {f: i for i, f in enumerate(files)}
-        index, index_path = {"size": size, "files": [[f, *stamp(f)] for f in files]}, self.path.with_suffix(".json")
-        whole = self.path.is_file() and self.path.stat().st_size == len(files) * 3 * size * size
-        if not (whole and read_index(index_path) == index):
+        index_path = self.path.with_suffix(".json")
+        index = {"size": size, "files": [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]}
+        try:  # a missing index, or one that is not JSON (a ValueError), rebuilds the store
+            same = json.loads(index_path.read_text()) == index
+        except (OSError, ValueError):
+            same = False
+        if not (same and self.path.is_file() and self.path.stat().st_size == len(files) * 3 * size * size):
             for stale in (index_path, self.path):  # the index first, as it vouches for the pixels; then their space
                 stale.unlink(missing_ok=True)
             build_store(self.path, files, size)
@@ -309,19 +303,6 @@ class ImageStore:
         if self.pixels is None:  # mapped in each process that reads, DataLoader workers included
             self.pixels = np.memmap(self.path, np.uint8, "r", shape=(len(self.row), 3, size, size))
         return torch.from_numpy(np.array(self.pixels[self.row[os.path.abspath(path)]]))
-
-
-def read_index(path):
-    """The store's index, or None where it is missing or is not JSON: the store is rebuilt then."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return None
-
-
-def stamp(path):
-    info = os.stat(path)
-    return info.st_size, info.st_mtime_ns
 
 
 def scratch(path, suffix):
@@ -455,9 +436,7 @@ class EvalDataset(torch.utils.data.Dataset):
         return index, self.load(item.before, self.size), self.load(item.after, self.size)
 
 
-# ---------------------------------------------------------------------------------------------
-# The order of the data and its loaders
-# ---------------------------------------------------------------------------------------------
+# ---- The order of the data and its loaders ------------------------------------------------------
 class EpochSampler(torch.utils.data.Sampler):
     """Yields (epoch, index) keys in an order fixed by (seed, epoch), so a resumed run sees the same
     batches; the datasets derive their own random choices from the same key. The order is cut into

@@ -39,9 +39,7 @@ from data import CHANGE_TYPES, PAPER_TYPE_NAME, InputError
 from model import Captioner
 from tokenizer import EOT, get_tokenizer, tokenize
 
-# ---------------------------------------------------------------------------------------------
-# Retrieval: image pair -> text (IP-T) and text -> image pair (T-IP), Tables 6 and 7
-# ---------------------------------------------------------------------------------------------
+# ---- Retrieval: image pair -> text (IP-T) and text -> image pair (T-IP), Tables 6 and 7 ---------
 RECALL_AT = (1, 5, 10, 20, 50)  # Table 7 and CLEVR-Change / IER in Table 6: 1, 5, 10; Spot-the-Diff: 10, 20, 50
 EVAL_BATCH = 64
 
@@ -139,16 +137,11 @@ def format_retrieval(metrics):
     return "\n".join(rows)
 
 
-# ---------------------------------------------------------------------------------------------
-# Captioning: greedy captions, BLEU, METEOR, ROUGE-L, CIDEr-D (Tables 1, 3, 4), CIDEr by type (Table 2)
-# ---------------------------------------------------------------------------------------------
+# ---- Captioning: greedy captions, BLEU, METEOR, ROUGE-L, CIDEr-D (Tables 1, 3, 4), CIDEr by type (Table 2)
 def ids_to_text(ids):
     """Caption text of each generated row: the tokens between SOT and EOT."""
-    bpe, texts = get_tokenizer(), []
-    for row in ids.tolist():
-        row = row[1:]
-        texts.append(bpe.decode(row[:row.index(EOT)] if EOT in row else row))
-    return texts
+    bpe, rows = get_tokenizer(), [row[1:] for row in ids.tolist()]
+    return [bpe.decode(row[:row.index(EOT)] if EOT in row else row) for row in rows]
 
 
 @torch.no_grad()
@@ -193,8 +186,7 @@ def check_ids(refs, preds):
     """Scores are only comparable over the full split, so every reference needs a prediction."""
     if mismatch := id_mismatch(refs, preds):
         raise ValueError(f"prediction ids do not match the reference ids: {mismatch}")
-    empty = [k for k, captions in refs.items() if not captions]
-    if empty:
+    if empty := [k for k, captions in refs.items() if not captions]:
         raise ValueError(f"ids without reference captions: {sorted(map(str, empty))[:5]}")
 
 
@@ -227,8 +219,7 @@ def meteor(gts, res):
 def caption_metrics(refs, preds, only=CAPTION_METRICS):
     """BLEU-1..4, METEOR, ROUGE-L and CIDEr (CIDEr-D) x100 of preds {id: caption} against
     refs {id: [captions]}. `only` picks a subset, e.g. ("CIDEr",) skips METEOR's slow Java start."""
-    unknown = set(only) - set(CAPTION_METRICS)
-    if unknown:
+    if unknown := set(only) - set(CAPTION_METRICS):
         raise ValueError(f"unknown metrics {sorted(unknown)}; choose from {CAPTION_METRICS}")
     check_ids(refs, preds)
     gts, res = ptb_tokenize(refs, preds)
@@ -270,8 +261,7 @@ def score_items(items, preds):
     carry CLEVR-Change change types."""
     refs = {item.id: list(item.captions) for item in items}
     metrics = caption_metrics(refs, preds)
-    types = {item.id: item.change_type for item in items if item.change_type}
-    if types:
+    if types := {item.id: item.change_type for item in items if item.change_type}:
         metrics["per_type"] = per_type_cider(refs, preds, types)
     return metrics
 
@@ -283,20 +273,16 @@ def format_table(metrics):
              "".join(f"{metrics[m]:>8.1f}" for m in columns.values())]
     if "per_type" in metrics:
         per_type = metrics["per_type"]
-        heads = ("C", "T", "M", "A", "D", "DI")
-        lines += ["", "CIDEr by change type", "".join(f"{h:>8}" for h in heads),
+        lines += ["", "CIDEr by change type", "".join(f"{h:>8}" for h in ("C", "T", "M", "A", "D", "DI")),
                   "".join(f"{per_type[t]:>8.1f}" if t in per_type else f"{'-':>8}" for t in CHANGE_TYPES)]
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
-# Prediction files (COCO results format), a checkpoint over a split, and the command line
-# ---------------------------------------------------------------------------------------------
+# ---- Prediction files (COCO results format), a checkpoint over a split, and the command line ----
 def write_predictions(path, preds):
     """Write {id: caption} as COCO results: [{"image_id": id, "caption": caption}, ...]."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    results = [{"image_id": k, "caption": c} for k, c in preds.items()]
-    Path(path).write_text(json.dumps(results, indent=1))
+    Path(path).write_text(json.dumps([{"image_id": k, "caption": c} for k, c in preds.items()], indent=1))
 
 
 def read_text(path, expected):
@@ -329,8 +315,7 @@ def read_predictions(path):
 
 def blind_baseline(train_pairs, items):
     """Ignore the images: write the most frequent training caption for every pair."""
-    captions = Counter(c for p in train_pairs for c in p.captions + p.distractor_captions)
-    caption = captions.most_common(1)[0][0]
+    caption = Counter(c for p in train_pairs for c in p.captions + p.distractor_captions).most_common(1)[0][0]
     return {item.id: caption for item in items}
 
 
@@ -398,8 +383,7 @@ def read_pair_list(path):
             pairs.append(tuple(Path(path).parent / f for f in fields))  # relative paths: from the file's folder
     if not pairs:
         raise InputError(f"{path}: no pairs; expected two image paths (before, after) a line")
-    absent = [q for pair in pairs for q in pair if not q.is_file()]
-    if absent:
+    if absent := [q for pair in pairs for q in pair if not q.is_file()]:
         raise InputError(f"{path}: {len(absent)} images not found, e.g. {absent[0]}")
     return pairs
 

@@ -8,6 +8,7 @@
    by caption.py.
 """
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -37,9 +38,7 @@ class CLIPConfig:  # defaults: ViT-B/32
     text_heads: int = 8
 
 
-# ---------------------------------------------------------------------------------------------
-# CLIP
-# ---------------------------------------------------------------------------------------------
+# ---- CLIP ---------------------------------------------------------------------------------------
 class Attention(nn.Module):
     """Multi-head attention with OpenAI's parameter names (in_proj_*, out_proj) on top of SDPA.
 
@@ -55,8 +54,7 @@ class Attention(nn.Module):
         self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))  # initialised by the owning model
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
         self.out_proj = nn.Linear(width, width)
-        self.keep_map = False  # set True to keep the attention weights in `self.map` (for figures)
-        self.map = None
+        self.keep_map, self.map = False, None  # keep_map: keep the attention weights in `self.map` (for figures)
 
     def forward(self, x, memory=None, causal=False, cache=None):
         cache = {} if cache is None else cache
@@ -89,10 +87,8 @@ class ResidualAttentionBlock(nn.Module):
         self.causal = causal
         self.attn = Attention(width, heads)
         self.ln_1 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential()
-        self.mlp.add_module("c_fc", nn.Linear(width, 4 * width))
-        self.mlp.add_module("gelu", QuickGELU())
-        self.mlp.add_module("c_proj", nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(OrderedDict(c_fc=nn.Linear(width, 4 * width), gelu=QuickGELU(),
+                                             c_proj=nn.Linear(4 * width, width)))
         self.ln_2 = nn.LayerNorm(width)
 
     def forward(self, x):
@@ -204,9 +200,7 @@ class CLIP(nn.Module):
         return logits_per_image, logits_per_image.t()
 
 
-# ---------------------------------------------------------------------------------------------
-# CLIP4IDC: the pair encoder (section 2.2) and the IP-T / T-IP adaptation loss (section 2.3)
-# ---------------------------------------------------------------------------------------------
+# ---- CLIP4IDC: the pair encoder (section 2.2) and the IP-T / T-IP adaptation loss (section 2.3)
 @dataclass
 class CLIP4IDCConfig:
     clip: CLIPConfig = field(default_factory=CLIPConfig)
@@ -323,9 +317,7 @@ def contrastive_loss(v, g, logit_scale):
     return loss_i2t + loss_t2i  # Eq. 8 sums the two (the authors' code averages them)
 
 
-# ---------------------------------------------------------------------------------------------
-# Captioner: a Transformer encoder-decoder on the pair encoder's tokens (section 2.4)
-# ---------------------------------------------------------------------------------------------
+# ---- Captioner: a Transformer encoder-decoder on the pair encoder's tokens (section 2.4) --------
 @dataclass
 class CaptionerConfig:  # Appendix B: 3 + 3 layers, 8 heads, hidden 512 (= CLIP's embed_dim), dropout 0.1
     layers: int = 3

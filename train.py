@@ -59,9 +59,7 @@ AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.posit
                   "visual.ln_pre.bias", "positional_embedding", "token_embedding.weight")
 
 
-# ---------------------------------------------------------------------------------------------
-# Flags, run folder, processes, device and precision
-# ---------------------------------------------------------------------------------------------
+# ---- Flags, run folder, processes, device and precision -----------------------------------------
 def main(run, argv=None):
     """Run a command line's `run(argv)`: bad input (InputError, a missing or unreadable file) or a failed download
     ends in one line on stderr and exit status 2, as argparse does, Ctrl-C in one line and the signal;
@@ -143,10 +141,10 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
     processes = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.batch_size % processes:
         raise InputError(f"--batch_size {cfg.batch_size} does not split evenly over {processes} processes")
-    if cfg.data != "synth" and not Path(cfg.data_root).is_dir():
-        raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
-    if cfg.data == "synth" and not Path(cfg.data_root).is_dir():  # generated there on first use
-        data.check_writable(cfg.data_root, "--data_root")
+    if not Path(cfg.data_root).is_dir():
+        if cfg.data != "synth":
+            raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
+        data.check_writable(cfg.data_root, "--data_root")  # synth is generated there on first use
     check_run_folder(cfg)
     device = setup_device(cfg)
     logging.basicConfig(level=logging.INFO if rank() == 0 else logging.ERROR, format="%(message)s")
@@ -191,8 +189,7 @@ def check_run_folder(cfg):
             raise InputError(f"--resume: {out / 'last.pt'} is a run of {other}: resume it with {other}")
         if "init_from" in saved:  # stage 2 rebuilds its model from last.pt: where the run started stays on record
             cfg.init_from, cfg.clip = saved["init_from"], saved["clip"]
-        changed = {k: v for k, v in differences(saved, asdict(cfg)).items() if k not in RESUME_FREE}
-        if changed:
+        if changed := {k: v for k, v in differences(saved, asdict(cfg)).items() if k not in RESUME_FREE}:
             raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
                              f"{changed}; resume with the same ones")
     elif earlier and not cfg.overwrite:
@@ -285,9 +282,7 @@ def mixed_precision(device, amp):
     return torch.autocast(device.type, dtype=dtype), scaler
 
 
-# ---------------------------------------------------------------------------------------------
-# Data: splits and image store (their order and loaders: data.py)
-# ---------------------------------------------------------------------------------------------
+# ---- Data: splits and image store (their order and loaders: data.py) ----------------------------
 def prepare_data(cfg, image_size, samples=len):
     """The three splits and, with --cache, the ImageStore of all their images at the model's input
     size. Rank 0 generates and builds what is missing while the others wait, then they read it.
@@ -308,9 +303,7 @@ def prepare_data(cfg, image_size, samples=len):
     return splits, store
 
 
-# ---------------------------------------------------------------------------------------------
-# Optimiser and schedule
-# ---------------------------------------------------------------------------------------------
+# ---- Optimiser and schedule ---------------------------------------------------------------------
 def freeze_as_authors(clip, keep=()):
     """--recipe authors: CLIP's embeddings and ln_pre stay as loaded (AUTHORS_FROZEN, but `keep`)."""
     for name, p in clip.named_parameters():
@@ -348,9 +341,7 @@ def make_schedule(optimizer, total_steps, warmup, decay):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
+# ---- Checkpoints --------------------------------------------------------------------------------
 def rng_state():  # the only global random streams training draws from (dropout)
     return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
 
@@ -379,9 +370,7 @@ def resume(path, run, shape):
     return ckpt["state"]
 
 
-# ---------------------------------------------------------------------------------------------
-# The loop
-# ---------------------------------------------------------------------------------------------
+# ---- The loop -----------------------------------------------------------------------------------
 def update(model, loss, optimizer, scaler, grad_clip):
     """Backward pass, gradient clipping and the optimiser step, with the fp16 grad scaler if any.
     Nothing here waits for the GPU: under fp16 the fused optimiser skips a step with inf gradients on
@@ -443,17 +432,6 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
             save(dict(**{k: v.state_dict() for k, v in run.items() if v is not None}, state=state, rng=rngs, **saved),
                  "last.pt")
 
-    def train_step(batch):
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten
-        with autocast:
-            loss = net(*batch)
-        update(model, loss, optimizer, scaler, cfg.grad_clip)
-        schedule.step()
-        if after_step:
-            after_step()
-        return loss
-
     def end_of_epoch(epoch):
         score, metrics = gather_objects(validate() if rank() == 0 else None)[0]  # every process stops together
         state["history"].append(dict(epoch=epoch, step=state["step"], score=score, val=metrics))
@@ -479,7 +457,14 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
             for batch in itertools.islice(loader, min(steps_per_epoch - done, total - state["step"])):
                 batch = [t.to(device, non_blocking=True) for t in batch]
                 pairs += batch[1].shape[:-3].numel() * world()  # after images [B, (k,) 3, H, W], all processes
-                loss = train_step(batch)
+                if graphs:
+                    torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten
+                with autocast:
+                    loss = net(*batch)
+                update(model, loss, optimizer, scaler, cfg.grad_clip)
+                schedule.step()
+                if after_step:
+                    after_step()
                 state["step"], steps = state["step"] + 1, steps + 1
                 if state["step"] % cfg.log_every == 0 or state["step"] == total:  # host syncs: printed values, saves
                     value = sum(gather_objects(loss.item())) / world()  # the global batch's: all stop at a NaN together
