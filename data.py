@@ -285,7 +285,7 @@ class ImageStore:
         self.path, self.size, self.pixels = Path(folder) / f"store_{size}px.u8", size, None
         self.row = {f: i for i, f in enumerate(files)}
         index_path = self.path.with_suffix(".json")
-        index = {"size": size, "files": [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]}
+        index = {"size": size, "files": [[f, *stamp(f)] for f in files]}
         try:  # a missing index, or one that is not JSON (a ValueError), rebuilds the store
             same = json.loads(index_path.read_text()) == index
         except (OSError, ValueError):
@@ -303,6 +303,11 @@ class ImageStore:
         if self.pixels is None:  # mapped in each process that reads, DataLoader workers included
             self.pixels = np.memmap(self.path, np.uint8, "r", shape=(len(self.row), 3, size, size))
         return torch.from_numpy(np.array(self.pixels[self.row[os.path.abspath(path)]]))
+
+
+def stamp(path):  # what replacing the file changes
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns
 
 
 def scratch(path, suffix):
