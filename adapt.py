@@ -71,8 +71,9 @@ def build_model(cfg):
     clip = clip_weights.load(cfg.clip) if cfg.init == "openai" else None
     clip_config = clip.config if clip is not None else SMALL_CLIP if cfg.preset == "small" else CLIPConfig()
     if cfg.n_intra + cfg.n_inter != clip_config.vision_layers:
+        name = cfg.clip if clip is not None else cfg.preset
         raise InputError(f"--n_intra {cfg.n_intra} + --n_inter {cfg.n_inter} must equal the "
-                         f"{clip_config.vision_layers} vision layers of the '{cfg.preset}' model")
+                         f"{clip_config.vision_layers} vision layers of the '{name}' model")
     model = CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=cfg.n_intra, average_directions=cfg.recipe == "authors"), clip)
     if cfg.recipe == "authors":
         train.freeze_as_authors(model.clip)

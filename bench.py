@@ -9,7 +9,7 @@
 clip: the median time of encode_image and encode_text for our CLIP and OpenAI's, on the same random
 ViT-B/32 weights, inputs and threads, and the ratio reference / ours (above 1: ours is faster),
 timed alternately so that load from other processes slows both alike (needs requirements-dev.txt).
-decode: 64 pairs, 31 steps, the full-size captioner (3 + 3 layers, width 512); whether the two
+decode: 64 pairs, 32 steps, the full-size captioner (3 + 3 layers, width 512); whether the two
 give identical captions.
 train: the step of adapt.py (stage 1, batch 128) or caption.py (stage 2, 16 change + 16 distractor
 pairs) on random data already on the device, eager and compiled, fp32 and bf16; FLOPs per step
@@ -83,11 +83,11 @@ def bench_decode(args):
     # Random pair tokens stand in for the pair encoder's output: decoding cost does not depend on them.
     tokens = torch.randn(args.pairs, captioner.encoder.pair_pos.shape[0], captioner.encoder.config.clip.embed_dim)
     memories = captioner.encode_visual(tokens)
-    cached, recomputed = captioner.greedy(memories, 32, use_cache=True), captioner.greedy(memories, 32, use_cache=False)
+    cached, recomputed = captioner.greedy(memories, use_cache=True), captioner.greedy(memories, use_cache=False)
     times = {True: [], False: []}
     for _ in range(args.repeats):
         for use_cache in (True, False):
-            times[use_cache].append(seconds(captioner.greedy, memories, 32, use_cache))
+            times[use_cache].append(seconds(captioner.greedy, memories, None, use_cache))
     t_cache, t_full = statistics.median(times[True]), statistics.median(times[False])
     print(f"greedy decoding, {args.pairs} pairs, {cached.shape[1] - 1} steps: cached {1e3 * t_cache:.1f} ms   "
           f"recomputed {1e3 * t_full:.1f} ms   speed-up {t_full / t_cache:.2f}   "
@@ -144,8 +144,7 @@ def synchronize(device):
 
 
 def bench_train(args):
-    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = True
+    device = train.setup_device(args)  # TF32 matrix products on, as in the runs
     torch.manual_seed(0)
     model, batch = stage_model(args)
     model, batch = model.to(device).train(), [t.to(device) for t in batch]
@@ -169,9 +168,7 @@ def bench_train(args):
 
 def fit_rate(args, device):
     """train.fit on real data (with --cache: the ImageStore), validation left out: the printed pairs/s."""
-    pairs = data.read_split(args.data, args.data_root, "train")
-    size = adapt.SMALL_CLIP.image_size if args.preset == "small" else 224
-    store = data.ImageStore(pairs, size, args.data_root)
+    pairs, size, store = train_pairs_and_store(args)
     torch.manual_seed(0)
     model = stage_model(args)[0].to(device)
     config_cls = adapt.AdaptConfig if args.stage == 1 else caption.CaptionConfig
@@ -179,7 +176,7 @@ def fit_rate(args, device):
     dataset = Repeat(dataset, args.fit_steps * args.batch)  # one epoch: fit writes last.pt at each epoch's end
     with tempfile.TemporaryDirectory() as out:
         cfg = config_cls(data=args.data, out_dir=out, batch_size=args.batch, amp=args.amp[-1],
-                         compile=args.modes[-1] != "eager", workers=args.workers, log_every=args.fit_steps // 5,
+                         compile=args.modes[-1] != "eager", workers=args.workers, log_every=max(1, args.fit_steps // 5),
                          max_steps=args.fit_steps, save_every=10 ** 9, epochs=1)
         print(f"train.fit, {args.fit_steps} steps of {args.batch}, {cfg.amp}, compiled {cfg.compile}, workers "
               f"{data.loader_workers(cfg.workers, device)} (the first lines include compilation):")
@@ -199,13 +196,21 @@ class Repeat(torch.utils.data.Dataset):
         return self.dataset[(key[0], key[1] % len(self.dataset))]
 
 
-def bench_loader(args):
-    pairs = data.read_split(args.data, args.data_root, "train")
+def train_pairs_and_store(args):
+    """The training pairs, their image size, and the image store that runs build (of all three splits): theirs,
+    not one of the training images alone that a run would build again."""
+    splits = [data.read_split(args.data, args.data_root, split) for split in ("train", "val", "test")]
     size = adapt.SMALL_CLIP.image_size if args.preset == "small" else 224
-    store = data.ImageStore(pairs, size, args.data_root)
+    return splits[0], size, data.ImageStore([p for pairs in splits for p in pairs], size, args.data_root)
+
+
+def bench_loader(args):
+    pairs, size, store = train_pairs_and_store(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for source, load in (("PNG files", None), ("ImageStore", store)):
         dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, load)
+        if args.batch > len(dataset):
+            raise data.InputError(f"--batch {args.batch}: expected at most the {len(dataset)} training samples")
         for workers in args.workers_list:
             loader = data.make_loader(dataset, args.batch, device, workers, data.EpochSampler(len(dataset), 0, args.batch))
             batches = iter(loader)
@@ -230,21 +235,24 @@ def main(argv=None):
     parser.add_argument("--stage", type=int, choices=(1, 2), default=1)
     parser.add_argument("--preset", choices=("vit-b/32", "small"), default="vit-b/32")
     parser.add_argument("--batch", type=int, help="train, loader: batch (default: the stage's, 128 or 16)")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="train: auto, cpu, cuda or cuda:N")
     parser.add_argument("--amp", nargs="+", choices=("off", "bf16", "fp16"), help="train: precisions (default: off bf16)")
-    parser.add_argument("--modes", nargs="+", default=["eager", "default"],
-                        help="train: eager, or torch.compile modes (default, reduce-overhead, max-autotune)")
+    parser.add_argument("--modes", nargs="+", default=["eager", "default"], help="train: eager, or torch.compile modes",
+                        choices=("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     parser.add_argument("--steps", type=int, default=20, help="train: timed steps")
     parser.add_argument("--peak_tflops", type=float, help="train: the device's dense bf16 peak, for MFU")
     parser.add_argument("--data", default="synth", choices=("synth", "clevr", "spot", "ier"))
     parser.add_argument("--data_root", help="train: also time train.fit on this dataset; loader: the dataset")
     parser.add_argument("--fit_steps", type=int, default=200)
     parser.add_argument("--workers", type=int, default=-1, help="train: loader processes of train.fit")
-    parser.add_argument("--workers_list", type=int, nargs="+", default=[1, 2, 4, 8], help="loader: worker counts")
+    parser.add_argument("--workers_list", type=int, nargs="+", default=[1, 2, 4, 8], help="loader: worker counts (0: none)")
     parser.add_argument("--seconds", type=float, default=10, help="loader: time per measurement")
     args = parser.parse_args(argv)
-    if args.batch is not None and args.batch < 1:
-        parser.error(f"--batch {args.batch}: expected at least 1")
+    for name in ("images", "texts", "repeats", "pairs", "batch", "steps", "fit_steps", "seconds"):
+        if (value := getattr(args, name)) is not None and not value > 0:
+            parser.error(f"--{name} {value}: expected a value above 0")
+    if min(args.workers_list) < 0:
+        parser.error(f"--workers_list {min(args.workers_list)}: expected worker counts of 0 or more")
     if args.what == "loader" and not args.data_root:
         parser.error("loader times a dataset's loading: give its folder as --data_root")
     if args.data_root and not Path(args.data_root).is_dir():

@@ -43,7 +43,8 @@ def load(name_or_path, device="cpu", root=CACHE_DIR):
     """A model.CLIP holding OpenAI's weights, from a release name or a local file."""
     path = download(MODELS[name_or_path], root) if name_or_path in MODELS else Path(name_or_path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (known names: {', '.join(MODELS)})")
+        what = "a folder" if path.is_dir() else "no such file"
+        raise FileNotFoundError(f"{path}: {what}; expected a checkpoint file or one of {', '.join(MODELS)}")
     sd = read_state_dict(path)
     try:
         model = CLIP(config_from_state_dict(sd))

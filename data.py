@@ -291,8 +291,11 @@ class ImageStore:
         except (OSError, ValueError):
             same = False
         if not (same and self.path.is_file() and self.path.stat().st_size == len(files) * 3 * size * size):
-            for stale in (index_path, self.path):  # the index first, as it vouches for the pixels; then their space
-                stale.unlink(missing_ok=True)
+            try:
+                for stale in (index_path, self.path):  # the index first, as it vouches for the pixels; then their space
+                    stale.unlink(missing_ok=True)
+            except OSError as e:  # a read-only dataset
+                raise InputError(f"--cache: cannot write the image store {self.path} ({e.strerror}): pass --no-cache") from None
             build_store(self.path, files, size)
             (tmp := scratch(index_path, "tmp")).write_text(json.dumps(index))
             os.replace(tmp, index_path)

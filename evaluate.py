@@ -16,6 +16,7 @@ pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR 
 """
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -281,8 +282,23 @@ def format_table(metrics):
 # ---- Prediction files (COCO results format), a checkpoint over a split, and the command line ----
 def write_predictions(path, preds):
     """Write {id: caption} as COCO results: [{"image_id": id, "caption": caption}, ...]."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps([{"image_id": k, "caption": c} for k, c in preds.items()], indent=1))
+    write_text(path, json.dumps([{"image_id": k, "caption": c} for k, c in preds.items()], indent=1))
+
+
+def write_text(path, text):
+    """`text` into the file `path`, whole or not at all: a full disk is one line and leaves no truncated file."""
+    special = Path(path).exists() and not Path(path).is_file()  # a device or a pipe (/dev/stdout): written in place
+    target = Path(path) if special else Path(path).resolve()  # through a link: the file it names is replaced
+    tmp = target if special else data.scratch(target, "tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        if not special:
+            os.replace(tmp, target)
+    except OSError as e:
+        if not special:
+            tmp.unlink(missing_ok=True)
+        raise InputError(f"{path}: cannot write it ({e.strerror})") from None
 
 
 def read_text(path, expected):
@@ -322,7 +338,7 @@ def blind_baseline(train_pairs, items):
 def score_captions(captioner, items, train_pairs, split, device, store=None, amp="auto", workers=-1):
     """Greedy captions of a split's items and their metrics, beside a blind baseline's; printed as in
     Tables 1 and 2. The end of caption.py, and `evaluate.py --ckpt --data_root`."""
-    preds = predict(captioner, items, device, store, amp, workers)
+    preds = predict(captioner, items, device, store, amp, workers, progress=True)
     results = {split: score_items(items, preds),
                "blind_baseline": {split: score_items(items, blind_baseline(train_pairs, items))}}
     print(f"{split} split, this model:\n{format_table(results[split])}")
@@ -333,8 +349,7 @@ def score_captions(captioner, items, train_pairs, split, device, store=None, amp
 
 def save_results(out, results, split=None, preds=None):
     """metrics.json and, for captions, <split>_predictions.json in the folder `out`."""
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "metrics.json").write_text(json.dumps(results, indent=2))
+    write_text(Path(out) / "metrics.json", json.dumps(results, indent=2))
     if preds is not None:
         write_predictions(Path(out) / f"{split}_predictions.json", preds)
     print(f"wrote {out}/metrics.json" + (f" and {out}/{split}_predictions.json" if preds is not None else ""))
@@ -367,8 +382,7 @@ def score_predictions(args):
     metrics = score_items(items, preds)
     print(f"{args.data} {args.split}: {len(items)} image pairs\n{format_table(metrics)}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({args.split: metrics}, indent=2))
+        write_text(args.out, json.dumps({args.split: metrics}, indent=2))
 
 
 def read_pair_list(path):
@@ -395,8 +409,7 @@ def caption_pairs(captioner, args, device):
     preds = predict(captioner, items, device, workers=0, progress=True)
     lines = [json.dumps({"before": str(p.before), "after": str(p.after), "caption": preds[p.id]}) for p in items]
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        write_text(args.out, "\n".join(lines) + "\n")
         print(f"wrote {len(lines)} captions to {args.out}")
     else:
         print("\n".join(lines))
@@ -463,6 +476,8 @@ def main(argv=None):
         if out and Path(out).is_dir():
             parser.error(f"{out} is a folder: expected a file to write ({flag})")
     check_outputs([("--out", args.out), ("--attention", args.attention)], args.overwrite)
+    if absent := [p for p in args.pair or () if not Path(p).is_file()]:
+        parser.error(f"--pair: {absent[0]} is not a file; expected the two images, before and after")
     if args.predictions:
         return score_predictions(args)
     device = train.setup_device(args)

@@ -187,7 +187,7 @@ class CLIP(nn.Module):
         return self.visual(images)
 
     def encode_text(self, tokens):
-        """Tokens [B, L] with L <= context_length; the EOT token (the largest id) pools the sentence."""
+        """G(T) of Eq. 1: tokens [B, L] with L <= context_length; the EOT token (the largest id) pools the sentence."""
         tokens = trim_padding(tokens)  # attention is causal: padding never reaches an EOT
         x = self.token_embedding(tokens) + self.positional_embedding[:tokens.shape[1]]
         x = self.ln_final(self.transformer(x))
@@ -227,7 +227,7 @@ class CLIP4IDC(nn.Module):
         self.e1 = nn.Parameter(scale * torch.randn(width))  # marks the first image (Eq. 4)
         self.e2 = nn.Parameter(scale * torch.randn(width))  # marks the second image
         self.pair_pos = nn.Parameter(scale * torch.randn(2 * n_tokens, width))  # p in Eq. 4
-        self.ln_inter = nn.LayerNorm(width)
+        self.ln_inter = nn.LayerNorm(width)  # not in Eq. 4: the authors' code normalises the joined tokens
 
     def new_parameter_names(self):
         """Parameters that CLIP does not have: they train at the higher learning rate."""
@@ -325,7 +325,7 @@ class CaptionerConfig:  # Appendix B: 3 + 3 layers, 8 heads, hidden 512 (= CLIP'
     ffn: int = 2048
     dropout: float = 0.1
     attn_dropout: float = 0.1  # on the attention weights
-    max_len: int = 32
+    max_len: int = 33  # SOT, then at most 32 greedy steps (Appendix B), as in the authors' code
     vocab: tuple = ()  # the token ids it may write, EOT among them (empty: all of CLIP's)
     ln_eps: float = 1e-12  # the LayerNorms' epsilon, as in the authors' BERT-style layers (PyTorch's default: 1e-5)
 

@@ -261,6 +261,8 @@ if __name__ == "__main__":
     try:
         check_writable(args.out, "--out")
         write_synth(args.out, args.pairs, args.seed)
-    except (InputError, FileExistsError) as e:
+    except (InputError, OSError) as e:  # a folder that exists, a full disk: write_synth leaves nothing behind
         parser.error(str(e))
+    except KeyboardInterrupt:
+        raise SystemExit("synth.py: interrupted")
     print(f"wrote {args.pairs} pairs to {args.out} in {time.perf_counter() - start:.0f} s")

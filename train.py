@@ -13,6 +13,7 @@ prints, generates data, builds the image store, validates, and writes checkpoint
 """
 import argparse
 import dataclasses
+import errno
 import inspect
 import itertools
 import logging
@@ -53,6 +54,7 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
 # What a model starts from (--clip, --init_from) may move: last.pt holds the weights, and resume() checks the shape.
 RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
                "out_dir", "patience", "clip", "init_from")
+RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")  # what a run writes
 # The CLIP parameters that the authors' scripts freeze in both stages (their --freeze_layer_num 0):
 # the image tower's patch, class and position embeddings and ln_pre, the text tower's embeddings.
 AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre.weight",
@@ -61,13 +63,16 @@ AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.posit
 
 # ---- Flags, run folder, processes, device and precision -----------------------------------------
 def main(run, argv=None):
-    """Run a command line's `run(argv)`: bad input (InputError, a missing or unreadable file) or a failed download
-    ends in one line on stderr and exit status 2, as argparse does, Ctrl-C in one line and the signal;
-    any other failure keeps its traceback."""
+    """Run a command line's `run(argv)`: bad input (InputError, a missing or unreadable file), a full or read-only
+    disk or a failed download ends in one line on stderr and exit status 2, as argparse does, Ctrl-C in one line
+    and the signal; any other failure keeps its traceback."""
     status, name = 0, Path(sys.argv[0]).name
     try:
         run(argv)
-    except (InputError, FileNotFoundError, PermissionError, ConnectionError) as e:
+    except (InputError, OSError) as e:
+        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a file we write
+        if not (full or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
+            raise
         message = str(e)
         if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
             message = message.splitlines()[-1].split(": ", 1)[-1]
@@ -111,7 +116,9 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors
     parser = data.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
     comments = field_help(config_cls)
     for f in dataclasses.fields(config_cls):
-        default = "" if f.default == "" else f" (default: {f.default})"
+        low, high = LIMITS.get(f.name, (None, None))
+        allowed = "" if low is None else f"; {low} to {high}" if high else f"; at least {low}"
+        default = "" if f.default == "" else f" (default: {f.default}{allowed})"
         kind = dict(help=comments.get(f.name, "") + default, default=None)
         if f.type is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kind)
@@ -129,6 +136,8 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors
         if value is not None and not (low <= value and (high is None or value <= high) and finite):
             kind = "value" if finite else "finite value"
             parser.error(f"--{name} {value}: expected a {kind} {f'in [{low}, {high}]' if high else f'>= {low}'}")
+    if cfg.lr == cfg.lr_clip == 0:  # a rate of 0 freezes (make_optimizer)
+        parser.error("--lr 0 and --lr_clip 0: nothing would train; expected a rate above 0 for one of them")
     cfg.data_root = cfg.data_root or f"data/{cfg.data}"
     cfg.out_dir = cfg.out_dir or f"out/{stage}-{cfg.data}"
     return cfg
@@ -155,9 +164,6 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
     return cfg, device
 
 
-RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")
-
-
 def differences(saved, now, prefix=""):
     """{name: (saved, now)} of the values in `now` that `saved` holds otherwise; nested dicts name theirs
     "encoder.n_intra"."""
@@ -175,10 +181,16 @@ def check_run_folder(cfg):
     out = Path(cfg.out_dir)
     data.check_writable(out, "--out_dir")
     earlier = [name for name in RUN_FILES if (out / name).exists()]
+    if (out / ".lock").is_file() and os.environ.get("RANK", "0") == "0":
+        with locked(out):  # in use: refused now, not after the setup
+            pass
     if cfg.resume and cfg.overwrite:
         raise InputError("--resume continues the run in --out_dir and --overwrite starts it anew: give one")
     if cfg.resume and not (out / "last.pt").is_file():
         raise InputError(f"--resume: there is no {out / 'last.pt'} to resume from")
+    if cfg.resume and (out / "metrics.json").is_file():
+        raise InputError(f"--resume: {out} holds a finished run ({out / 'metrics.json'}), nothing is left to train: "
+                         "score its best.pt with evaluate.py, or pass --overwrite to train it anew")
     if cfg.resume:
         saved = clip_weights.read_checkpoint(out / "last.pt", mmap=True)  # no tensor is read
         if not (isinstance(saved, dict) and {"config", "state", "rng", "model", "model_config", "optimizer"} <= set(saved)):
@@ -200,10 +212,10 @@ def check_run_folder(cfg):
 
 @contextmanager
 def locked(out):
-    """Hold out/.lock while training, so that a second run on the folder is refused rather than racing on
-    its files, and remove what a killed write left (*.tmp). A POSIX lock (lockf), not flock: a killed run's
-    loader workers would hold a flock for seconds and refuse its --resume. The system frees the lock if the
-    process dies. Folders it made are removed if the run ends before writing anything into them."""
+    """Hold out/.lock while training, so that a second run on the folder is refused rather than racing on its
+    files, and remove what a killed checkpoint write left (.tmp). A POSIX lock (lockf), freed when the process
+    dies: a killed run's loader workers would hold a flock for seconds and refuse its --resume. Folders it made
+    are removed if the run ends before writing anything into them."""
     made = [p for p in (out, *out.parents) if not p.exists()]  # the deepest first
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:
@@ -212,8 +224,8 @@ def locked(out):
                 fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, as the system says it
                 raise InputError(f"{out} is in use by another run; wait for it, or give another --out_dir") from None
-        for leftover in out.glob("*.tmp"):
-            leftover.unlink()
+        for name in RUN_FILES:  # a checkpoint's (clip_weights.save_atomic); the user's own *.tmp stay
+            (out / f"{name}.tmp").unlink(missing_ok=True)
         try:
             yield
         finally:
@@ -313,13 +325,15 @@ def freeze_as_authors(clip, keep=()):
 
 def make_optimizer(model, new_names, cfg):
     """AdamW with two learning rates (new parameters vs CLIP's). Weight decay applies to matrices
-    (embeddings included) but not to biases, LayerNorm gains or single vectors such as e1 and e2."""
+    (embeddings included) but not to biases, LayerNorm gains or single vectors such as e1 and e2.
+    A rate of 0 freezes: no gradient is computed (Table 7 captions with the image encoder frozen)."""
     groups, frozen = {}, 0
     for name, p in model.named_parameters():
+        if (lr := cfg.lr if name in new_names else cfg.lr_clip) == 0:
+            p.requires_grad_(False)
         if not p.requires_grad:
             frozen += p.numel()
             continue
-        lr = cfg.lr if name in new_names else cfg.lr_clip
         decay = cfg.weight_decay if p.ndim >= 2 else 0.0
         groups.setdefault((lr, decay), []).append(p)
     param_groups = [dict(params=ps, lr=lr, weight_decay=wd) for (lr, wd), ps in groups.items()]

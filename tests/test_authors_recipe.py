@@ -73,9 +73,11 @@ def test_the_recipe_takes_the_settings_of_their_script_for_each_dataset():
     assert settings(caption, "--data", "clevr", *authors, "--seed", "1").seed == 1  # flags win
 
 
-def test_stage_2_recipe_decodes_32_steps_after_sot():
+def test_stage_2_decodes_at_most_32_steps_after_sot_as_appendix_b_and_the_authors():
+    authors = settings(caption, "--data", "clevr", "--recipe", "authors")
+    assert settings(caption, "--data", "clevr").max_len == authors.max_len == 33  # SOT and 32 steps
     captioner = caption.Captioner(small_encoder("paper"), caption.captioner_config(
-        caption.CaptionConfig(layers=1, heads=2, ffn=32, max_len=33)))
+        caption.CaptionConfig(layers=1, heads=2, ffn=32)))
     with torch.no_grad():
         captioner.head_bias[EOT] = -1e4  # no caption ends early
     ids = captioner.eval().generate(*torch.randint(0, 256, (2, 2, 3, 128, 128), dtype=torch.uint8))

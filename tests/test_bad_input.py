@@ -62,6 +62,14 @@ def stage_1(root, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def unfinished(stage_1, tmp_path_factory):
+    """stage_1 as if killed while it scored the test split: trained, resumable, not finished."""
+    out = tmp_path_factory.mktemp("runs") / "unfinished"
+    shutil.copytree(stage_1, out, ignore=shutil.ignore_patterns("metrics.json"))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # runs: an earlier run, a concurrent run, a killed write
 # ---------------------------------------------------------------------------------------------
@@ -75,13 +83,18 @@ def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(root, tmp_path, ca
     assert error.endswith(f"{out} holds an earlier run (last.pt, best.pt, metrics.json): pass --resume to continue "
                           "it, --overwrite to start it anew, or another --out_dir")
     assert snapshot(out) == before
+    assert error_of(capsys, adapt.main, *flags, "--resume").endswith(
+        f"--resume: {out} holds a finished run ({out / 'metrics.json'}), nothing is left to train: score its best.pt "
+        "with evaluate.py, or pass --overwrite to train it anew")
+    assert snapshot(out) == before
     (out / "last.pt").rename(tmp_path / "last.pt")  # without it there is nothing to resume: --resume is not offered
     assert error_of(capsys, adapt.main, *flags).endswith(f"{out} holds an earlier run (best.pt, metrics.json): pass "
                                                          "--overwrite to start it anew, or another --out_dir")
     (tmp_path / "last.pt").rename(out / "last.pt")
     (out / "last.pt.tmp").write_bytes(b"half a checkpoint")  # a write killed in the earlier run
+    (out / "notes.tmp").write_text("the user's own")
     train.main(adapt.main, [str(f) for f in flags + ["--overwrite", "--seed", "7"]])
-    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "last.pt", "metrics.json"]  # no stray .tmp
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "last.pt", "metrics.json", "notes.tmp"]
     assert torch.load(out / "last.pt", weights_only=True)["config"]["seed"] == 7
 
 
@@ -108,8 +121,9 @@ def hold(out, how):
                             stdout=subprocess.PIPE if how == "running" else subprocess.DEVNULL)
 
 
-def test_a_second_run_on_a_folder_in_use_is_refused(root, tmp_path, capsys):
+def test_a_second_run_on_a_folder_in_use_is_refused_before_it_builds_anything(root, tmp_path, capsys, monkeypatch):
     out = tmp_path / "busy"
+    monkeypatch.setattr(adapt, "build_model", lambda cfg: pytest.fail("built the model of a run it then refused"))
     with hold(out, "running") as first:  # closes its pipe and waits for it
         try:
             assert first.stdout.readline() == "held\n"
@@ -149,6 +163,7 @@ def test_the_folder_of_a_killed_run_is_free_at_once_for_its_resume(tmp_path):
     (["--epochs", "0"], "--epochs 0: expected a value >= 1"),
     (["--warmup", "1.5"], "--warmup 1.5: expected a value in [0, 1]"),
     (["--lr", "inf"], "--lr inf: expected a finite value >= 0"),
+    (["--lr", "0", "--lr_clip", "0"], "--lr 0 and --lr_clip 0: nothing would train"),
     (["--beta2", "1"], "--beta2 1.0: expected a value in [0, 0.9999]"),  # AdamW's second moment would never move
     (["--seed", "-1"], "--seed -1: expected a value in [0, 4294967295]"),
     (["--seed", "1" + "0" * 400], "expected a value in [0, 4294967295]"),
@@ -238,12 +253,17 @@ def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
     (["loader"], "loader times a dataset's loading: give its folder as --data_root"),
     (["loader", "--data_root", "nowhere"], "--data_root nowhere: expected a dataset folder"),
     (["train", "--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
-    (["train", "--batch", "0"], "--batch 0: expected at least 1"),
+    (["train", "--batch", "0"], "--batch 0: expected a value above 0"),
+    (["clip", "--repeats", "0"], "--repeats 0: expected a value above 0"),
+    (["train", "--fit_steps", "0"], "--fit_steps 0: expected a value above 0"),
+    (["train", "--modes", "eagr"], "argument --modes: invalid choice: 'eagr'"),
+    (["train", "--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
+    (["loader", "--data_root", ".", "--workers_list", "-2"], "--workers_list -2: expected worker counts of 0 or more"),
 ])
 def test_bench_py_refuses_bad_flags_in_one_line(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
     with pytest.raises(SystemExit) as exit:
-        bench.main()
+        train.main(bench.main)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.startswith("bench.py: error: ") and message in err and err.count("\n") == 1
 
@@ -275,8 +295,10 @@ def test_help_describes_every_flag_and_what_synth_and_the_recipe_change(capsys):
         descriptions = train.field_help(config)
         for name, default in vars(config()).items():
             assert descriptions.get(name), f"--{name} has no description"
-            assert descriptions[name] + ("" if default == "" else f" (default: {default})") in text, name
+            assert descriptions[name] + ("" if default == "" else f" (default: {default}") in text, name
         assert "--amp {auto,bf16,fp16,off}" in text and "--data {synth,clevr,spot,ier}" in text
+        assert "rising rate; then" in text and " (default: 0.1; 0 to 1) " in text  # --warmup's range, as LIMITS says
+        assert f"(default: {config.batch_size}; at least 1) " in text
         presets = [stage.SYNTH_DEFAULTS, *stage.AUTHORS_DEFAULTS.values()]
         listed = re.findall(r"sets: (.*?)(?:;|$)", text)  # each as flags to paste, in the order of `presets`
         assert len(listed) == len(presets)
@@ -295,12 +317,12 @@ def test_help_describes_every_flag_and_what_synth_and_the_recipe_change(capsys):
     (["--amp", "bf16"], "'amp': ('auto', 'bf16')"),
     (["--max_steps", "3"], "'max_steps': (2, 3)"),
 ])
-def test_resume_refuses_changed_settings(root, stage_1, capsys, flags, changed):
-    before = snapshot(stage_1)
-    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", stage_1, "--resume", *flags)
-    assert f"--resume: {stage_1 / 'last.pt'} was trained with other settings, (saved, now): " in error
+def test_resume_refuses_changed_settings(root, unfinished, capsys, flags, changed):
+    before = snapshot(unfinished)
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", unfinished, "--resume", *flags)
+    assert f"--resume: {unfinished / 'last.pt'} was trained with other settings, (saved, now): " in error
     assert changed in error
-    assert snapshot(stage_1) == before
+    assert snapshot(unfinished) == before
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -355,20 +377,20 @@ def test_a_stage_2_run_resumes_without_its_stage_1_file(root, stage_1, tmp_path,
     assert json.loads((out / "metrics.json").read_text())["test"]
 
 
-def test_resume_of_the_other_stages_run_names_that_stage(root, stage_1, capsys):
-    before = snapshot(stage_1)
-    assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", stage_1, "--resume").endswith(
-        f"--resume: {stage_1 / 'last.pt'} is a run of adapt.py: resume it with adapt.py")
-    assert snapshot(stage_1) == before
+def test_resume_of_the_other_stages_run_names_that_stage(root, unfinished, capsys):
+    before = snapshot(unfinished)
+    assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", unfinished, "--resume").endswith(
+        f"--resume: {unfinished / 'last.pt'} is a run of adapt.py: resume it with adapt.py")
+    assert snapshot(unfinished) == before
 
 
-def test_resume_on_other_data_is_refused(stage_1, tmp_path, capsys):
+def test_resume_on_other_data_is_refused(unfinished, tmp_path, capsys):
     synth.write_synth(tmp_path / "other", 40, seed=2)  # --data_root may move, but this data is not the run's
-    before = snapshot(stage_1), snapshot(tmp_path / "other")
-    error = error_of(capsys, adapt.main, *SMALL, "--data_root", tmp_path / "other", "--out_dir", stage_1, "--resume")
-    assert error.endswith(f"--resume: {stage_1 / 'last.pt'} trained on 120 samples, the data now holds 160: "
+    before = snapshot(unfinished), snapshot(tmp_path / "other")
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", tmp_path / "other", "--out_dir", unfinished, "--resume")
+    assert error.endswith(f"--resume: {unfinished / 'last.pt'} trained on 120 samples, the data now holds 160: "
                           "resume on the same data")
-    assert (snapshot(stage_1), snapshot(tmp_path / "other")) == before  # no image store built there either
+    assert (snapshot(unfinished), snapshot(tmp_path / "other")) == before  # no image store built there either
 
 
 def test_resume_into_a_model_of_another_shape_is_refused(root, stage_1, tmp_path, capsys):
@@ -384,9 +406,9 @@ def test_resume_into_a_model_of_another_shape_is_refused(root, stage_1, tmp_path
     assert snapshot(out) == before
 
 
-def test_resume_accepts_another_spelling_of_the_same_folder(root, stage_1, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(stage_1.parent)
-    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", f"{stage_1}/", "--resume",
+def test_resume_accepts_another_spelling_of_the_same_folder(root, unfinished, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(unfinished.parent)
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", f"{unfinished}/", "--resume",
                      "--batch_size", 8)
     assert "'batch_size': (16, 8)" in error and "out_dir" not in error.split("(saved, now)")[1]
 
@@ -425,6 +447,12 @@ def test_ctrl_c_while_drawing_the_synthetic_data_leaves_nothing(tmp_path):
     status, err = interrupt(["adapt.py", "--data_root", tmp_path / "synth", "--out_dir", tmp_path / "run"],
                             ready=lambda: any(tmp_path.glob("synth.*/images/*.png")))
     assert status == -signal.SIGINT and err.splitlines()[1:] == ["adapt.py: interrupted"], err  # after "generating"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_in_synth_py_is_one_line_and_leaves_nothing(tmp_path):
+    status, err = interrupt(["synth.py", "--out", tmp_path / "synth"], ready=lambda: any(tmp_path.glob("synth.*/images/*.png")))
+    assert status == 1 and err == "synth.py: interrupted\n", err
     assert list(tmp_path.iterdir()) == []
 
 

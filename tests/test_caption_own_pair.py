@@ -133,7 +133,10 @@ def test_missing_files_are_named(tmp_path, capsys, missing):
     before, after = write_pair(tmp_path)
     ckpt = tmp_path / ("nope.pt" if missing == "ckpt" else "best.pt")
     after = tmp_path / "nope.png" if missing == "image" else after
-    assert str(tmp_path / "nope") in cli_error(capsys, "--ckpt", ckpt, "--pair", before, after)
+    error = cli_error(capsys, "--ckpt", ckpt, "--pair", before, after)
+    assert str(tmp_path / "nope") in error
+    if missing == "image":
+        assert error.endswith(f"--pair: {after} is not a file; expected the two images, before and after")
 
 
 def test_unreadable_image_is_named(tmp_path, capsys):

@@ -115,9 +115,11 @@ def test_a_damaged_torchscript_archive_is_named(tmp_path):
         clip_weights.load(tmp_path / "ViT-B-32.pt")
 
 
-def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(FileNotFoundError, match="ViT-B/32"):
+def test_unknown_name_lists_the_known_ones(tmp_path):
+    with pytest.raises(FileNotFoundError, match="^ViT-H/99: no such file; expected a checkpoint file or one of ViT-B/32"):
         clip_weights.load("ViT-H/99")
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path}: a folder; expected a checkpoint file"):
+        clip_weights.load(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """`python evaluate.py --predictions ...` on a tiny folder in CLEVR-Change's layout: references come
 from data.py's readers, the json holds the paper's metrics and the per-type CIDEr of Table 2. Bad
 input and outputs that exist or cannot be written are refused in one line, before any scoring."""
+import errno
 import json
 import os
 from pathlib import Path
@@ -202,6 +203,27 @@ def test_an_output_that_cannot_be_written_is_refused_before_scoring(flag, root, 
     earlier = snapshot(tmp_path)
     assert error_of(capsys, *argv) == expected
     assert snapshot(tmp_path) == earlier and not (read_only / "new").exists()
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_cut_file(root, preds, tmp_path, capsys, monkeypatch):
+    """Found only once the metrics are printed: the one line comes after them."""
+    out = tmp_path / "m.json"
+    out.write_text("earlier")
+    earlier, real_write = snapshot(tmp_path), Path.write_text
+
+    def fills_up(path, text):
+        real_write(path, text[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    for target in ("/dev/full", out):
+        with monkeypatch.context() as patch, pytest.raises(SystemExit) as exit:
+            if target == out:
+                patch.setattr(Path, "write_text", fills_up)
+            train.main(evaluate.main, [str(a) for a in ["--predictions", preds, "--data", "clevr", "--data_root", root,
+                                                        "--out", target, "--overwrite"]])
+        err = capsys.readouterr().err.splitlines()
+        assert exit.value.code == 2 and len(err) == 1 and err[0].endswith(
+            f": error: {target}: cannot write it (No space left on device)")
+    assert snapshot(tmp_path) == earlier  # the earlier file whole, and no part of the new one
 
 
 FIRST_TEST_IDS = "['000000.png', '000000.png_n', '000001.png', '000001.png_n', '000002.png']"

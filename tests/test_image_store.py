@@ -1,5 +1,8 @@
 """The image store when its build fails or its files are damaged: no temporary file is left behind,
 and a store cut short or an index that cannot be read is rebuilt, not an error."""
+import errno
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -42,3 +45,15 @@ def test_a_damaged_store_is_rebuilt(tmp_path, damage):
     rebuilt = data.ImageStore(pairs, 16, tmp_path / "s")
     assert store.read_bytes() == whole and serves_the_files(rebuilt, pairs)
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["store_16px.json", "store_16px.u8"]
+
+
+def test_a_store_that_cannot_be_written_beside_read_only_data_says_to_pass_no_cache(tmp_path, monkeypatch):
+    write_clevr(tmp_path / "d")
+    pairs = data.read_split("clevr", tmp_path / "d", "train")
+
+    def read_only(path, missing_ok=False):  # as on a read-only mount, which root cannot write either
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(data.InputError, match=rf"^--cache: cannot write the image store {tmp_path / 'd'}/store_16px.u8 "
+                                              r"\(Read-only file system\): pass --no-cache$"):
+        data.ImageStore(pairs, 16, tmp_path / "d")

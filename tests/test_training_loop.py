@@ -101,6 +101,16 @@ def test_a_run_resumed_where_amp_needs_a_grad_scaler_starts_one(tmp_path, monkey
     assert last["state"]["step"] == 12 and last["scaler"]["scale"] == 2.0 ** 16
 
 
+def test_a_rate_of_zero_freezes_its_parameters_and_spares_their_gradients(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_pair_encoder()
+    start, new = {n: p.clone() for n, p in model.named_parameters()}, model.new_parameter_names()
+    fit(config(tmp_path, lr_clip=0.0), model, ToyPairs(), lambda: (0.0, {}), new, "cosine")
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, start[n])}
+    assert changed == new  # e1, e2, p and their LayerNorm train; CLIP's weights stay as they were
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in new)
+
+
 def test_overwrite_keeps_the_earlier_run_until_the_new_one_saves(tmp_path):
     run(config(tmp_path), tiny_pair_encoder)
     earlier = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
