@@ -19,6 +19,8 @@ train.fit itself on that dataset (loader, store, optimiser and all) for --fit_st
 loader: pairs/s of the stage's training batches through a DataLoader, by number of workers.
 """
 import argparse
+import functools
+import math
 import statistics
 import tempfile
 import time
@@ -87,7 +89,7 @@ def bench_decode(args):
     times = {True: [], False: []}
     for _ in range(args.repeats):
         for use_cache in (True, False):
-            times[use_cache].append(seconds(captioner.greedy, memories, None, use_cache))
+            times[use_cache].append(seconds(functools.partial(captioner.greedy, use_cache=use_cache), memories))
     t_cache, t_full = statistics.median(times[True]), statistics.median(times[False])
     print(f"greedy decoding, {args.pairs} pairs, {cached.shape[1] - 1} steps: cached {1e3 * t_cache:.1f} ms   "
           f"recomputed {1e3 * t_full:.1f} ms   speed-up {t_full / t_cache:.2f}   "
@@ -197,8 +199,8 @@ class Repeat(torch.utils.data.Dataset):
 
 
 def train_pairs_and_store(args):
-    """The training pairs, their image size, and the image store that runs build (of all three splits): theirs,
-    not one of the training images alone that a run would build again."""
+    """The training pairs, their image size, and the image store of all three splits: the one the runs build
+    and use, so that neither builds it again."""
     splits = [data.read_split(args.data, args.data_root, split) for split in ("train", "val", "test")]
     size = adapt.SMALL_CLIP.image_size if args.preset == "small" else 224
     return splits[0], size, data.ImageStore([p for pairs in splits for p in pairs], size, args.data_root)
@@ -248,9 +250,9 @@ def main(argv=None):
     parser.add_argument("--workers_list", type=int, nargs="+", default=[1, 2, 4, 8], help="loader: worker counts (0: none)")
     parser.add_argument("--seconds", type=float, default=10, help="loader: time per measurement")
     args = parser.parse_args(argv)
-    for name in ("images", "texts", "repeats", "pairs", "batch", "steps", "fit_steps", "seconds"):
-        if (value := getattr(args, name)) is not None and not value > 0:
-            parser.error(f"--{name} {value}: expected a value above 0")
+    for name in ("images", "texts", "repeats", "pairs", "batch", "steps", "fit_steps", "seconds", "peak_tflops"):
+        if (value := getattr(args, name)) is not None and not 0 < value < math.inf:
+            parser.error(f"--{name} {value}: expected a finite value above 0")
     if min(args.workers_list) < 0:
         parser.error(f"--workers_list {min(args.workers_list)}: expected worker counts of 0 or more")
     if args.what == "loader" and not args.data_root:

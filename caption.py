@@ -83,6 +83,9 @@ def build_captioner(cfg, device):
         encoder = clip_weights.model_from_config({"encoder": clip_weights.read_checkpoint(last, mmap=True)["model_config"]
                                                   .get("encoder")}, last)
     elif cfg.init_from == "openai":
+        if cfg.lr_clip == 0:
+            raise InputError("--lr_clip 0 with --init_from openai would leave e1, e2 and p as drawn: freeze a pair "
+                             "encoder that stage 1 trained")
         encoder = build_model(AdaptConfig(init="openai", clip=cfg.clip, n_intra=cfg.n_intra, n_inter=cfg.n_inter))
     else:
         path = cfg.init_from or f"out/adapt-{cfg.data}/best.pt"

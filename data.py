@@ -16,6 +16,7 @@ import random
 import shutil
 import signal
 import socket
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,6 +39,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+def end_interrupted(name):
+    """Ctrl-C: one line, then end by the signal, as shells expect (a script's loop stops too); else status 130."""
+    print(f"{name}: interrupted", file=sys.stderr)
+    if os.name == "posix":
+        sys.stdout.flush(), sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return 130
+
 
 # ---- Caption targets ----------------------------------------------------------------------------
 IGNORE = -100  # target id of the padding after a caption's EOT: no loss

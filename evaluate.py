@@ -15,6 +15,7 @@ Captioning follows the IDC protocol of Sec. 3.1: BLEU-1..4, METEOR, ROUGE-L and 
 pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR run on Java.
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -286,18 +287,20 @@ def write_predictions(path, preds):
 
 
 def write_text(path, text):
-    """`text` into the file `path`, whole or not at all: a full disk is one line and leaves no truncated file."""
-    special = Path(path).exists() and not Path(path).is_file()  # a device or a pipe (/dev/stdout): written in place
-    target = Path(path) if special else Path(path).resolve()  # through a link: the file it names is replaced
-    tmp = target if special else data.scratch(target, "tmp")
+    """`text` into the file `path` whole or not at all (a full disk: one line, no cut file); a device in place."""
+    path = Path(path)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        if not special:
+        if str(path.absolute()).startswith(("/dev/", "/proc/")) or path.exists() and not path.is_file():
+            return path.write_text(text)  # /dev/stdout, say, or a pipe
+        (target := path.resolve()).parent.mkdir(parents=True, exist_ok=True)  # a link: the file it names is replaced
+        tmp = data.scratch(target, "tmp")
+        try:
+            tmp.write_text(text)
             os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(OSError):  # on a read-only disk even this fails
+                tmp.unlink(missing_ok=True)
     except OSError as e:
-        if not special:
-            tmp.unlink(missing_ok=True)
         raise InputError(f"{path}: cannot write it ({e.strerror})") from None
 
 

@@ -13,13 +13,14 @@ import logging
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data import ArgumentParser, InputError, check_writable, read_json, scratch, worker_pool
+from data import ArgumentParser, InputError, check_writable, end_interrupted, read_json, scratch, worker_pool
 
 log = logging.getLogger("synth")
 
@@ -261,8 +262,8 @@ if __name__ == "__main__":
     try:
         check_writable(args.out, "--out")
         write_synth(args.out, args.pairs, args.seed)
-    except (InputError, OSError) as e:  # a folder that exists, a full disk: write_synth leaves nothing behind
+    except (InputError, FileExistsError) as e:
         parser.error(str(e))
-    except KeyboardInterrupt:
-        raise SystemExit("synth.py: interrupted")
+    except KeyboardInterrupt:  # write_synth leaves nothing behind
+        sys.exit(end_interrupted("synth.py"))
     print(f"wrote {args.pairs} pairs to {args.out} in {time.perf_counter() - start:.0f} s")

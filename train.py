@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import re
-import signal
 import sys
 import time
 import typing
@@ -70,8 +69,8 @@ def main(run, argv=None):
     try:
         run(argv)
     except (InputError, OSError) as e:
-        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a file we write
-        if not (full or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
+        disk = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # full or read-only
+        if not (disk or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
             raise
         message = str(e)
         if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
@@ -79,12 +78,7 @@ def main(run, argv=None):
         print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
     except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
-        print(f"{name}: interrupted", file=sys.stderr)
-        status = 130
-    if status == 130 and os.name == "posix":  # end by the signal, as shells expect: a script's loop stops too
-        sys.stdout.flush(), sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+        status = data.end_interrupted(name)
     if distributed():
         if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
             barrier()
@@ -177,13 +171,14 @@ def differences(saved, now, prefix=""):
 
 
 def check_run_folder(cfg):
-    """--out_dir may hold an earlier run only with --resume (same settings) or --overwrite."""
+    """--out_dir may hold an earlier run only with --resume (same settings, not finished) or --overwrite, and
+    none that is training."""
     out = Path(cfg.out_dir)
     data.check_writable(out, "--out_dir")
     earlier = [name for name in RUN_FILES if (out / name).exists()]
-    if (out / ".lock").is_file() and os.environ.get("RANK", "0") == "0":
-        with locked(out):  # in use: refused now, not after the setup
-            pass
+    if (out / ".lock").is_file() and os.environ.get("RANK", "0") == "0":  # a run trains there: refused now
+        with open(out / ".lock", "a") as lock:  # closing it lets go; the file stays for whoever has it open
+            take_lock(lock, out)
     if cfg.resume and cfg.overwrite:
         raise InputError("--resume continues the run in --out_dir and --overwrite starts it anew: give one")
     if cfg.resume and not (out / "last.pt").is_file():
@@ -213,18 +208,13 @@ def check_run_folder(cfg):
 @contextmanager
 def locked(out):
     """Hold out/.lock while training, so that a second run on the folder is refused rather than racing on its
-    files, and remove what a killed checkpoint write left (.tmp). A POSIX lock (lockf), freed when the process
-    dies: a killed run's loader workers would hold a flock for seconds and refuse its --resume. Folders it made
-    are removed if the run ends before writing anything into them."""
+    files, and remove what a killed checkpoint write left (.tmp). Folders it made are removed if the run ends
+    before writing anything into them."""
     made = [p for p in (out, *out.parents) if not p.exists()]  # the deepest first
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:
-        if fcntl:
-            try:
-                fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, as the system says it
-                raise InputError(f"{out} is in use by another run; wait for it, or give another --out_dir") from None
-        for name in RUN_FILES:  # a checkpoint's (clip_weights.save_atomic); the user's own *.tmp stay
+        take_lock(lock, out)
+        for name in ("last.pt", "best.pt"):  # what clip_weights.save_atomic leaves; the user's own *.tmp stay
             (out / f"{name}.tmp").unlink(missing_ok=True)
         try:
             yield
@@ -232,6 +222,16 @@ def locked(out):
             (out / ".lock").unlink(missing_ok=True)
             for folder in itertools.takewhile(lambda folder: not any(folder.iterdir()), made):
                 folder.rmdir()
+
+
+def take_lock(lock, out):
+    """A POSIX lock (lockf), freed when the process dies: a killed run's loader workers would hold a flock for
+    seconds and refuse its --resume."""
+    try:
+        if fcntl:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, as the system says it
+        raise InputError(f"{out} is in use by another run; wait for it, or give another --out_dir") from None
 
 
 def setup_device(cfg):

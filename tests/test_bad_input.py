@@ -253,9 +253,9 @@ def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
     (["loader"], "loader times a dataset's loading: give its folder as --data_root"),
     (["loader", "--data_root", "nowhere"], "--data_root nowhere: expected a dataset folder"),
     (["train", "--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
-    (["train", "--batch", "0"], "--batch 0: expected a value above 0"),
-    (["clip", "--repeats", "0"], "--repeats 0: expected a value above 0"),
-    (["train", "--fit_steps", "0"], "--fit_steps 0: expected a value above 0"),
+    (["train", "--batch", "0"], "--batch 0: expected a finite value above 0"),
+    (["clip", "--repeats", "0"], "--repeats 0: expected a finite value above 0"),
+    (["train", "--fit_steps", "0"], "--fit_steps 0: expected a finite value above 0"),
     (["train", "--modes", "eagr"], "argument --modes: invalid choice: 'eagr'"),
     (["train", "--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
     (["loader", "--data_root", ".", "--workers_list", "-2"], "--workers_list -2: expected worker counts of 0 or more"),
@@ -273,6 +273,9 @@ def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_
                     stage_1 / "best.pt", "--heads", 3).endswith("heads 3: expected a divisor of the width 64")
     assert error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "a", "--batch_size",
                     1000).endswith("--batch_size 1000: expected at most the 120 training samples")
+    assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
+                    "openai", "--lr_clip", 0).endswith("--lr_clip 0 with --init_from openai would leave e1, e2 and p "
+                                                       "as drawn: freeze a pair encoder that stage 1 trained")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -452,7 +455,7 @@ def test_ctrl_c_while_drawing_the_synthetic_data_leaves_nothing(tmp_path):
 
 def test_ctrl_c_in_synth_py_is_one_line_and_leaves_nothing(tmp_path):
     status, err = interrupt(["synth.py", "--out", tmp_path / "synth"], ready=lambda: any(tmp_path.glob("synth.*/images/*.png")))
-    assert status == 1 and err == "synth.py: interrupted\n", err
+    assert status == -signal.SIGINT and err == "synth.py: interrupted\n", err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,3 +1,4 @@
+import errno
 import random
 from contextlib import nullcontext
 
@@ -109,6 +110,18 @@ def test_a_rate_of_zero_freezes_its_parameters_and_spares_their_gradients(tmp_pa
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, start[n])}
     assert changed == new  # e1, e2, p and their LayerNorm train; CLIP's weights stay as they were
     assert all(p.grad is None for n, p in model.named_parameters() if n not in new)
+
+
+@pytest.mark.parametrize("error, one_line", [(OSError(errno.ENOSPC, "No space left on device", "out/m.json"), True),
+                                             (OSError(errno.EROFS, "Read-only file system", "out/m.json"), True),
+                                             (OSError(errno.EIO, "Input/output error", "out/m.json"), False)])
+def test_a_full_or_read_only_disk_is_one_line_and_other_failures_keep_their_traceback(capsys, error, one_line):
+    def run(argv):
+        raise error
+    with pytest.raises(SystemExit if one_line else OSError) as raised:
+        train.main(run, [])
+    if one_line:
+        assert raised.value.code == 2 and capsys.readouterr().err.endswith(f": error: {error}\n")
 
 
 def test_overwrite_keeps_the_earlier_run_until_the_new_one_saves(tmp_path):
