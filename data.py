@@ -40,6 +40,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+
 def end_interrupted(name):
     """Ctrl-C: one line, then end by the signal, as shells expect (a script's loop stops too); else status 130."""
     print(f"{name}: interrupted", file=sys.stderr)
