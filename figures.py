@@ -107,23 +107,29 @@ def examples_figure(items, preds):
     return figure
 
 
-def save_examples(out, items, preds):
-    """examples.png (see examples_figure) at `out`; returns its path."""
-    examples_figure(example_items(items), preds).save(out)
-    return out
+def examples_png(items, preds):
+    """examples.png (see examples_figure), as the bytes of the file."""
+    return encoded(examples_figure(example_items(items), preds), "examples.png")
 
 
-def save_attention(captioner, before, after, paths, out):
-    """Figure 3 for preprocessed images before, after read from the files `paths`, saved to `out`."""
+def attention_file(captioner, before, after, paths, out):
+    """Figure 3 for preprocessed images before, after read from the files `paths`, as the bytes of a
+    file in the format that the name `out` asks for."""
     images = [Image.fromarray(data.read_pixels(p, TILE).permute(1, 2, 0).numpy()) for p in paths]
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    attention_figure(images, attention_maps(captioner, before, after)).save(out)
+    return encoded(attention_figure(images, attention_maps(captioner, before, after)), out)
+
+
+def encoded(image, path):
+    """`image` as the bytes of a file in the format of the file name `path`, for the caller to write whole."""
+    buffer = io.BytesIO()
+    image.save(buffer, format=Image.registered_extensions()[Path(path).suffix.lower()])
+    return buffer.getvalue()
 
 
 def pillow_writes(path):
     """Whether Pillow writes a colour image in the format of the file name `path`: it reads more than it writes."""
     try:
-        Image.new("RGB", (1, 1)).save(io.BytesIO(), format=Image.registered_extensions()[Path(path).suffix.lower()])
+        encoded(Image.new("RGB", (1, 1)), path)
     except (KeyError, OSError, ValueError):
         return False
     return True

@@ -205,21 +205,24 @@ def test_an_output_that_cannot_be_written_is_refused_before_scoring(flag, root, 
     assert snapshot(tmp_path) == earlier and not (read_only / "new").exists()
 
 
-def test_a_full_disk_is_one_line_and_leaves_no_cut_file(root, preds, tmp_path, capsys, monkeypatch):
-    """Found only once the metrics are printed: the one line comes after them."""
-    out = tmp_path / "m.json"
+@pytest.mark.parametrize("flag", ["--out", "--attention"])
+def test_a_full_disk_is_one_line_and_leaves_no_cut_file(flag, root, ckpt, preds, tmp_path, capsys, monkeypatch):
+    """Found only once the metrics are printed or the figure drawn: the one line comes after them."""
+    out = tmp_path / ("m.json" if flag == "--out" else "att.png")
     out.write_text("earlier")
-    earlier, real_write = snapshot(tmp_path), Path.write_text
+    before, after = write_pair(tmp_path)
+    earlier, real_write = snapshot(tmp_path), Path.write_bytes
+    argv = (["--predictions", preds, "--data", "clevr", "--data_root", root] if flag == "--out" else
+            ["--ckpt", ckpt, "--pair", before, after, "--device", "cpu"])
 
-    def fills_up(path, text):
-        real_write(path, text[:10])
+    def fills_up(path, content):
+        real_write(path, content[:10])
         raise OSError(errno.ENOSPC, "No space left on device")
-    for target in ("/dev/full", out):
+    for target in ("/dev/full", out)[flag == "--attention":]:  # a figure's name has a suffix that names its format
         with monkeypatch.context() as patch, pytest.raises(SystemExit) as exit:
             if target == out:
-                patch.setattr(Path, "write_text", fills_up)
-            train.main(evaluate.main, [str(a) for a in ["--predictions", preds, "--data", "clevr", "--data_root", root,
-                                                        "--out", target, "--overwrite"]])
+                patch.setattr(Path, "write_bytes", fills_up)
+            train.main(evaluate.main, [str(a) for a in [*argv, flag, target, "--overwrite"]])
         err = capsys.readouterr().err.splitlines()
         assert exit.value.code == 2 and len(err) == 1 and err[0].endswith(
             f": error: {target}: cannot write it (No space left on device)")
