@@ -169,7 +169,7 @@ def bench_train(args):
 
 
 def fit_rate(args, device):
-    """train.fit on real data (with --cache: the ImageStore), validation left out: the printed pairs/s."""
+    """train.fit on real data, read through the runs' ImageStore, validation left out: the printed pairs/s."""
     pairs, size, store = train_pairs_and_store(args)
     torch.manual_seed(0)
     model = stage_model(args)[0].to(device)

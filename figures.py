@@ -1,6 +1,6 @@
 """Figures of CLIP4IDC: the vision encoder's attention over a pair of images, in the spirit of the
-paper's Figure 3 (`evaluate.py --pair B A --attention out.png`), and examples.png, test pairs with
-the generated caption and a reference under them (the end of caption.py).
+paper's Figure 3 (`evaluate.py --ckpt CKPT --pair B A --attention out.png`), and examples.png, test
+pairs with the generated caption and a reference under them (the end of caption.py).
 """
 import io
 import textwrap

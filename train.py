@@ -13,7 +13,6 @@ prints, generates data, builds the image store, validates, and writes checkpoint
 """
 import argparse
 import dataclasses
-import errno
 import inspect
 import itertools
 import logging
@@ -69,7 +68,7 @@ def main(run, argv=None):
     try:
         run(argv)
     except (InputError, OSError) as e:
-        disk = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # full or read-only
+        disk = getattr(e, "errno", None) in data.DISK_ERRNOS  # full or read-only
         if not (disk or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
             raise
         message = str(e)

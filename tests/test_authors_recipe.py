@@ -1,5 +1,5 @@
-"""--recipe authors trains as the authors' code: their frozen parameters, their loss, their lengths;
-and the README's table says what the code does."""
+"""--recipe authors trains as the authors' code: their frozen parameters, their loss, their scripts'
+epochs and seed; and the README's table says what the code does."""
 import re
 from pathlib import Path
 

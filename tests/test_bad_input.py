@@ -232,6 +232,22 @@ def test_caption_py_without_java_is_refused_before_any_work(root, stage_1, tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("code, one_line", [(errno.ENOSPC, True), (errno.EIO, False)])
+def test_synth_py_on_a_full_disk_says_so_in_one_line(code, one_line, tmp_path):
+    """Every image write fails as the disk would, in the pool's workers too (they are forked from this)."""
+    fail = ("import errno, runpy, sys; from PIL import Image\n"
+            f"def fail(*args, **kwargs): raise OSError({code}, 'as the disk would')\n"
+            "Image.Image.save, sys.argv = fail, ['synth.py', '--out', sys.argv[1], '--pairs', '10']\n"
+            "runpy.run_path('synth.py', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", fail, str(tmp_path / "synth")], cwd=Path(__file__).parent.parent,
+                            capture_output=True, text=True)
+    if one_line:
+        assert (result.returncode, result.stderr) == (2, f"synth.py: error: [Errno {code}] as the disk would\n")
+    else:  # not the disk's space: a bug or a broken device, whose traceback stays
+        assert result.returncode == 1 and "Traceback" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_synth_py_refuses_an_out_it_cannot_write(tmp_path):
     (tmp_path / "a_file").write_text("x")
     result = subprocess.run([sys.executable, "synth.py", "--out", str(tmp_path / "a_file" / "synth"), "--pairs", "10"],
