@@ -155,7 +155,8 @@ def main(argv=None):
                          f"evaluate.py --ckpt {cfg.out_dir}/best.pt --data {cfg.data} --data_root {cfg.data_root} "
                          f"--out_dir {cfg.out_dir}`") from None
     evaluate.save_results(cfg.out_dir, results, "test", preds)
-    evaluate.write_file(examples := Path(cfg.out_dir) / "examples.png", figures.examples_png(test_items, preds))
+    examples = Path(cfg.out_dir) / "examples.png"
+    evaluate.write_file(examples, figures.examples_png(test_items, preds))
     print(f"wrote {examples}: test pairs and their captions, the model's over a reference")
 
 

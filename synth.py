@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data import DISK_ERRNOS, ArgumentParser, InputError, check_writable, end_interrupted, read_json, scratch, worker_pool
+from data import (DISK_ERRNOS, ArgumentParser, InputError, check_writable, end_interrupted, read_json, scratch,
+                  worker_pool)
 
 log = logging.getLogger("synth")
 
@@ -264,8 +265,8 @@ if __name__ == "__main__":
         write_synth(args.out, args.pairs, args.seed)
     except (InputError, FileExistsError) as e:
         parser.error(str(e))
-    except OSError as e:  # write_synth leaves nothing behind; a failure but a full or read-only disk keeps its traceback
-        if e.errno not in DISK_ERRNOS:
+    except OSError as e:  # write_synth leaves nothing behind
+        if e.errno not in DISK_ERRNOS:  # a failure other than a full or read-only disk keeps its traceback
             raise
         parser.error(str(e))
     except KeyboardInterrupt:  # write_synth leaves nothing behind
