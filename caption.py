@@ -156,7 +156,7 @@ def main(argv=None):
                          f"--out_dir {cfg.out_dir}`") from None
     evaluate.save_results(cfg.out_dir, results, "test", preds)
     examples = Path(cfg.out_dir) / "examples.png"
-    evaluate.write_file(examples, figures.examples_png(test_items, preds))
+    data.write_file(examples, figures.examples_png(test_items, preds))
     print(f"wrote {examples}: test pairs and their captions, the model's over a reference")
 
 

@@ -6,6 +6,7 @@ The synthetic CLEVR-Change of the offline default is written by synth.py in CLEV
 and read here like the real one.
 """
 import argparse
+import contextlib
 import errno
 import functools
 import json
@@ -311,8 +312,7 @@ class ImageStore:
             except OSError as e:  # a read-only dataset
                 raise InputError(f"--cache: cannot write the image store {self.path} ({e.strerror}): pass --no-cache") from None
             build_store(self.path, files, size)
-            (tmp := scratch(index_path, "tmp")).write_text(json.dumps(index))
-            os.replace(tmp, index_path)
+            write_file(index_path, json.dumps(index))
 
     def __call__(self, path, size):
         if size != self.size:
@@ -347,6 +347,24 @@ def running(pid):
     except PermissionError:  # another user's
         return True
     return True
+
+
+def write_file(path, content):
+    """Text or bytes into the file `path`, whole or not at all (a full disk: one line, no cut file); a device in place."""
+    path, content = Path(path), content.encode() if isinstance(content, str) else content
+    try:
+        if str(path.absolute()).startswith(("/dev/", "/proc/")) or path.exists() and not path.is_file():
+            return path.write_bytes(content)  # /dev/stdout, say, or a pipe
+        (target := path.resolve()).parent.mkdir(parents=True, exist_ok=True)  # a link: the file it names is replaced
+        tmp = scratch(target, "tmp")
+        try:
+            tmp.write_bytes(content)
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(OSError):  # on a read-only disk even this fails
+                tmp.unlink(missing_ok=True)
+    except OSError as e:
+        raise InputError(f"{path}: cannot write it ({e.strerror})") from None
 
 
 def build_store(path, files, size):

@@ -15,9 +15,7 @@ Captioning follows the IDC protocol of Sec. 3.1: BLEU-1..4, METEOR, ROUGE-L and 
 pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR run on Java.
 """
 import argparse
-import contextlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -283,25 +281,7 @@ def format_table(metrics):
 # ---- Prediction files (COCO results format), a checkpoint over a split, and the command line ----
 def write_predictions(path, preds):
     """Write {id: caption} as COCO results: [{"image_id": id, "caption": caption}, ...]."""
-    write_file(path, json.dumps([{"image_id": k, "caption": c} for k, c in preds.items()], indent=1))
-
-
-def write_file(path, content):
-    """Text or bytes into the file `path`, whole or not at all (a full disk: one line, no cut file); a device in place."""
-    path, content = Path(path), content.encode() if isinstance(content, str) else content
-    try:
-        if str(path.absolute()).startswith(("/dev/", "/proc/")) or path.exists() and not path.is_file():
-            return path.write_bytes(content)  # /dev/stdout, say, or a pipe
-        (target := path.resolve()).parent.mkdir(parents=True, exist_ok=True)  # a link: the file it names is replaced
-        tmp = data.scratch(target, "tmp")
-        try:
-            tmp.write_bytes(content)
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(OSError):  # on a read-only disk even this fails
-                tmp.unlink(missing_ok=True)
-    except OSError as e:
-        raise InputError(f"{path}: cannot write it ({e.strerror})") from None
+    data.write_file(path, json.dumps([{"image_id": k, "caption": c} for k, c in preds.items()], indent=1))
 
 
 def read_text(path, expected):
@@ -352,7 +332,7 @@ def score_captions(captioner, items, train_pairs, split, device, store=None, amp
 
 def save_results(out, results, split=None, preds=None):
     """metrics.json and, for captions, <split>_predictions.json in the folder `out`."""
-    write_file(Path(out) / "metrics.json", json.dumps(results, indent=2))
+    data.write_file(Path(out) / "metrics.json", json.dumps(results, indent=2))
     if preds is not None:
         write_predictions(Path(out) / f"{split}_predictions.json", preds)
     print(f"wrote {out}/metrics.json" + (f" and {out}/{split}_predictions.json" if preds is not None else ""))
@@ -385,7 +365,7 @@ def score_predictions(args):
     metrics = score_items(items, preds)
     print(f"{args.data} {args.split}: {len(items)} image pairs\n{format_table(metrics)}")
     if args.out:
-        write_file(args.out, json.dumps({args.split: metrics}, indent=2))
+        data.write_file(args.out, json.dumps({args.split: metrics}, indent=2))
 
 
 def read_pair_list(path):
@@ -412,7 +392,7 @@ def caption_pairs(captioner, args, device):
     preds = predict(captioner, items, device, workers=0, progress=True)
     lines = [json.dumps({"before": str(p.before), "after": str(p.after), "caption": preds[p.id]}) for p in items]
     if args.out:
-        write_file(args.out, "\n".join(lines) + "\n")
+        data.write_file(args.out, "\n".join(lines) + "\n")
         print(f"wrote {len(lines)} captions to {args.out}")
     else:
         print("\n".join(lines))
@@ -423,7 +403,7 @@ def caption_one_pair(captioner, args, device):
     before, after = (data.read_pixels(p, size)[None].to(device) for p in args.pair)
     print(ids_to_text(captioner.generate(before, after))[0])
     if args.attention:
-        write_file(args.attention, figures.attention_file(captioner, before, after, args.pair, args.attention))
+        data.write_file(args.attention, figures.attention_file(captioner, before, after, args.pair, args.attention))
         print(f"wrote {args.attention}")
 
 
