@@ -338,9 +338,27 @@ def save_results(out, results, split=None, preds=None):
     print(f"wrote {out}/metrics.json" + (f" and {out}/{split}_predictions.json" if preds is not None else ""))
 
 
+def load_model(args, device):
+    """--ckpt's model. The authors' files do not record the layer split or the captioner's heads:
+    --n_intra and --heads give them (their released models: 9 and 8); ours do, and a flag that
+    disagrees with the file is an error, not a silent no-op."""
+    model = clip_weights.load_checkpoint(args.ckpt, device, 9 if args.n_intra is None else args.n_intra,
+                                         8 if args.heads is None else args.heads)
+    encoder = model.encoder if isinstance(model, Captioner) else model
+    held = dict(n_intra=encoder.config.n_intra, heads=model.config.heads if isinstance(model, Captioner) else None)
+    for flag, value in held.items():
+        given = getattr(args, flag)
+        if given is not None and value is None:
+            raise InputError(f"--heads {given}: {args.ckpt} holds a stage-1 pair encoder, which has no captioner heads")
+        if given not in (None, value):
+            raise InputError(f"--{flag} {given}: {args.ckpt} records its own {flag}, {value} (the flag is for the "
+                             "authors' files, which do not)")
+    return model
+
+
 def score_checkpoint(args, device):
     """A checkpoint over a split: a captioner's metrics (Tables 1-4), a pair encoder's retrieval (Table 7)."""
-    model = clip_weights.load_checkpoint(args.ckpt, device, args.n_intra, args.heads)
+    model = load_model(args, device)
     written = ["metrics.json"] + [f"{args.split}_predictions.json"] * isinstance(model, Captioner)
     check_outputs([("--out_dir", Path(args.out_dir) / name) for name in written if args.out_dir], args.overwrite)
     pairs = data.read_split(args.data, args.data_root, args.split)
@@ -451,7 +469,7 @@ def main(argv=None):
             mode = "--ckpt --data_root" if modes[0] == "data_root" else f"--{modes[0]}"
             takes = ", ".join(f"--{f}" for f in uses[modes[0]])
             raise InputError(f"--{flag} has no use with {mode}, which takes {takes}")
-    defaults = dict(data="clevr", split="test", device="auto", n_intra=9, heads=8)
+    defaults = dict(data="clevr", split="test", device="auto")
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     if args.attention and not figures.pillow_writes(args.attention):
         parser.error(f"--attention {args.attention}: expected the name of an image file Pillow writes, such as attention.png")
@@ -466,7 +484,7 @@ def main(argv=None):
     device = train.setup_device(args)
     if args.data_root:
         return score_checkpoint(args, device)
-    captioner = clip_weights.load_checkpoint(args.ckpt, device, args.n_intra, args.heads)
+    captioner = load_model(args, device)
     if not isinstance(captioner, Captioner):
         parser.error(f"{args.ckpt} holds a stage-1 pair encoder: captions need a stage-2 checkpoint "
                      "(caption.py's best.pt, or the authors' trained pytorch_model.bin)")

@@ -156,6 +156,23 @@ def test_a_flag_the_chosen_command_does_not_use_is_refused(root, ckpt, preds, tm
     assert snapshot(tmp_path) == earlier
 
 
+def test_layer_split_and_heads_that_our_checkpoint_contradicts_are_refused(root, ckpt, tmp_path, capsys):
+    """Our files record --n_intra and --heads; only the authors' files need them (their test below)."""
+    before, after = write_pair(tmp_path)
+    save_checkpoint(tiny_captioner().encoder, tmp_path / "stage1.pt")
+    pair = ["--pair", before, after]
+    assert error_of(capsys, "--ckpt", ckpt, *pair, "--n_intra", 3) == (
+        f"--n_intra 3: {ckpt} records its own n_intra, 2 (the flag is for the authors' files, which do not)")
+    assert error_of(capsys, "--ckpt", ckpt, *pair, "--heads", 2) == (
+        f"--heads 2: {ckpt} records its own heads, 4 (the flag is for the authors' files, which do not)")
+    clevr = ["--data", "clevr", "--data_root", root, "--out_dir", tmp_path / "run"]
+    assert error_of(capsys, "--ckpt", tmp_path / "stage1.pt", *clevr, "--heads", 4) == (
+        f"--heads 4: {tmp_path / 'stage1.pt'} holds a stage-1 pair encoder, which has no captioner heads")
+    assert not (tmp_path / "run").exists()
+    train.main(evaluate.main, [str(a) for a in ["--ckpt", ckpt, *pair, "--n_intra", 2, "--heads", 4]])
+    assert capsys.readouterr().out.strip()  # the values the file holds are welcome
+
+
 def test_a_pair_encoder_is_refused_only_the_file_it_writes(root, tmp_path, capsys):
     save_checkpoint(tiny_captioner().encoder, tmp_path / "stage1.pt")
     run = tmp_path / "run"
