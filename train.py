@@ -361,8 +361,8 @@ def rng_state():  # the only global random streams training draws from (dropout)
 
 def set_rng_state(state):
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    for device, cuda in enumerate(state["cuda"][:torch.cuda.device_count()]):  # resumed where fewer GPUs are visible
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def resume(path, run, shape):

@@ -102,6 +102,16 @@ def test_a_run_resumed_where_amp_needs_a_grad_scaler_starts_one(tmp_path, monkey
     assert last["state"]["step"] == 12 and last["scaler"]["scale"] == 2.0 ** 16
 
 
+def test_a_run_resumed_where_fewer_gpus_are_visible_restores_the_streams_of_those_there(monkeypatch):
+    """last.pt keeps one dropout stream per GPU that was visible; --device may change on resume."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    streams = [torch.full((16,), gpu, dtype=torch.uint8) for gpu in range(2)]
+    train.set_rng_state(dict(torch=torch.get_rng_state(), cuda=streams))
+    assert restored == [(streams[0], 0)]
+
+
 def test_a_rate_of_zero_freezes_its_parameters_and_spares_their_gradients(tmp_path):
     torch.manual_seed(0)
     model = tiny_pair_encoder()
