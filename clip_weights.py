@@ -46,10 +46,7 @@ def load(name_or_path, device="cpu", root=CACHE_DIR):
         what = "a folder" if path.is_dir() else "no such file"
         raise FileNotFoundError(f"{path}: {what}; expected a checkpoint file or one of {', '.join(MODELS)}")
     sd = read_state_dict(path)
-    try:
-        model = CLIP(config_from_state_dict(sd))
-    except InputError as e:
-        raise InputError(f"{path}: {e}") from None
+    model = CLIP(config_from_state_dict(sd, path))
     load_weights(model, sd, path)
     return model.to(device).eval()
 
@@ -181,7 +178,7 @@ def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
     sd = {k.removeprefix("module."): v for k, v in sd.items()}
     clip_sd = {k.removeprefix("clip."): v for k, v in sd.items()
                if k.startswith("clip.") and k.removeprefix("clip.") not in AUTHORS_PAIR.values()}
-    clip_config = config_from_state_dict(clip_sd)
+    clip_config = config_from_state_dict(clip_sd, name)
     if not 0 <= n_intra <= clip_config.vision_layers:
         raise InputError(f"--n_intra {n_intra}: {name} has {clip_config.vision_layers} vision layers")
     model = CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=n_intra))
@@ -189,7 +186,7 @@ def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
         ffn = sd.get("decoder.encoder.layer.0.intermediate.dense.bias")  # when absent, reported below
         if heads < 1 or clip_config.embed_dim % heads:
             raise InputError(f"--heads {heads}: expected a divisor of {name}'s captioner width {clip_config.embed_dim}")
-        model = Captioner(model, CaptionerConfig(layers=count_blocks(sd, "decoder.encoder.layer."), heads=heads,
+        model = Captioner(model, CaptionerConfig(layers=count_blocks(sd, "decoder.encoder.layer.", name), heads=heads,
                                                  ffn=CaptionerConfig.ffn if ffn is None else len(ffn)))
     for alias, target in AUTHORS_ALIASES.items():
         if isinstance(model, Captioner) and alias in sd and target in sd and not torch.equal(sd[alias], sd[target]):
@@ -237,15 +234,15 @@ def is_torchscript(path):
         return any(name.endswith("/constants.pkl") for name in z.namelist())
 
 
-def config_from_state_dict(sd):
+def config_from_state_dict(sd, name="checkpoint"):
     """The CLIPConfig of an OpenAI ViT checkpoint, read off its tensor shapes (as OpenAI's build_model does)."""
     if "visual.proj" not in sd and any(k.startswith("visual.layer1.") for k in sd):
-        raise InputError("this is a ResNet CLIP checkpoint (RN50, RN101, ...); only ViT checkpoints are supported")
+        raise InputError(f"{name}: a ResNet CLIP checkpoint (RN50, RN101, ...); only ViT checkpoints are supported")
     required = ["visual.conv1.weight", "visual.positional_embedding", "visual.proj", "positional_embedding",
                 "token_embedding.weight", "ln_final.weight", "text_projection"]
     missing = [k for k in required if k not in sd]
     if missing:
-        raise InputError(f"not a CLIP ViT checkpoint: missing keys {missing}")
+        raise InputError(f"{name}: not a CLIP ViT checkpoint: missing keys {missing}")
     vision_width, _, patch_size, _ = sd["visual.conv1.weight"].shape
     grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
     text_width = sd["ln_final.weight"].shape[0]
@@ -254,22 +251,22 @@ def config_from_state_dict(sd):
         image_size=patch_size * grid,
         patch_size=patch_size,
         vision_width=vision_width,
-        vision_layers=count_blocks(sd, "visual.transformer.resblocks."),
+        vision_layers=count_blocks(sd, "visual.transformer.resblocks.", name),
         vision_heads=vision_width // 64,  # OpenAI's ViTs all use 64-dim heads
         context_length=sd["positional_embedding"].shape[0],
         vocab_size=sd["token_embedding.weight"].shape[0],
         text_width=text_width,
-        text_layers=count_blocks(sd, "transformer.resblocks."),
+        text_layers=count_blocks(sd, "transformer.resblocks.", name),
         text_heads=text_width // 64,
     )
 
 
-def count_blocks(sd, prefix):
+def count_blocks(sd, prefix, name="checkpoint"):
     # The highest index, not the number of indices: a block missing in the middle is then
     # reported as missing keys rather than shifting the last block into "unexpected".
     indices = [int(k[len(prefix):].split(".")[0]) for k in sd if k.startswith(prefix)]
     if not indices:
-        raise InputError(f"not a CLIP ViT checkpoint: no keys start with {prefix!r}")
+        raise InputError(f"{name}: not a CLIP ViT checkpoint: no keys start with {prefix!r}")
     return 1 + max(indices)
 
 

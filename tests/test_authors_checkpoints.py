@@ -139,6 +139,15 @@ def test_heads_that_do_not_divide_the_captioner_width_are_refused(tmp_path, head
         clip_weights.load_checkpoint(tmp_path / "pytorch_model.bin", n_intra=IO["n_intra"], heads=heads)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_authors_file_missing_a_tensor_is_named(tmp_path, stage):
+    sd = authors_state_dict(stage)
+    del sd["clip.visual.proj"]
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(InputError, match=r"pytorch_model.bin: not a CLIP ViT checkpoint: missing keys \['visual.proj'\]"):
+        clip_weights.load_checkpoint(tmp_path / "pytorch_model.bin", n_intra=IO["n_intra"], heads=IO["cap_heads"])
+
+
 def test_a_file_of_neither_kind_is_refused(tmp_path):
     torch.save({"weight": torch.zeros(2)}, tmp_path / "other.pt")
     with pytest.raises(InputError, match="other.pt: expected a best.pt or last.pt .* or a pytorch_model.bin"):
