@@ -373,7 +373,7 @@ def build_store(path, files, size):
     try:
         claim_space(tmp, len(files) * 3 * size * size, path)
         pixels = np.memmap(tmp, np.uint8, "r+", shape=(len(files), 3, size, size))
-        with worker_pool(min(os.cpu_count() or 1, 1 + len(files) // 64)) as pool:
+        with worker_pool(min(cores(), 1 + len(files) // 64)) as pool:
             for i, image in enumerate(pool.imap(functools.partial(read_array, size=size), files, chunksize=16), 1):
                 pixels[i - 1] = image
                 if i % 2000 == 0 or i == len(files):
@@ -498,14 +498,18 @@ class EpochSampler(torch.utils.data.Sampler):
         return (self.n - self.skip) // self.batch * (self.batch // self.world)
 
 
+def cores():
+    """The cores this process may run on (a container's or a job's share, not the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def loader_workers(workers, device):
     """Loader processes: `workers` (--workers) if 0 or more; for -1, the cores of this process's share of
     the machine less one, at most 8, and none for CPU training on two cores or fewer: its threads keep both
     cores busy, and a loader process only takes turns with them (300 steps in 70-73 s, not 79-80: README)."""
     if workers >= 0:
         return workers
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    share = cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return 0 if device.type == "cpu" and share <= 2 else max(1, min(8, share - 1))
 
 

@@ -10,7 +10,6 @@ scenes.json beside the captions holds the scene graphs the images were drawn fro
 import functools
 import json
 import logging
-import os
 import random
 import shutil
 import sys
@@ -20,8 +19,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data import (DISK_ERRNOS, ArgumentParser, InputError, check_writable, end_interrupted, read_json, scratch,
-                  worker_pool)
+from data import (DISK_ERRNOS, ArgumentParser, InputError, check_writable, cores, end_interrupted, read_json,
+                  scratch, worker_pool)
 
 log = logging.getLogger("synth")
 
@@ -209,7 +208,7 @@ def write_synth(out, n_pairs, seed, workers=None):
         raise FileExistsError(f"{out} exists; choose a new folder for the synthetic dataset")
     tmp = scratch(out, "partial")  # renamed when whole: a killed run leaves no dataset
     files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
-    workers = workers or min(os.cpu_count() or 1, 1 + n_pairs // 500)
+    workers = workers or min(cores(), 1 + n_pairs // 500)
     try:
         for folder in ("images", "sc_images", "nsc_images"):
             (tmp / folder).mkdir(parents=True)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 import data
 from test_data_readers import write_clevr
@@ -59,3 +60,16 @@ def test_a_store_that_cannot_be_written_beside_read_only_data_says_to_pass_no_ca
     with pytest.raises(data.InputError, match=re.escape(f"--cache: cannot write the image store {store} (Read-only "
                                                         "file system): pass --no-cache")):
         data.ImageStore(pairs, 16, tmp_path / "d")
+
+
+def test_the_store_is_built_by_as_many_processes_as_this_process_has_cores(tmp_path, monkeypatch):
+    """A job's or a container's share of the cores, not the machine's: 130 images would start 3."""
+    files = [tmp_path / f"{i}.png" for i in range(130)]
+    for i, path in enumerate(files):
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(path)
+    monkeypatch.setattr(data.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(data.os, "cpu_count", lambda: 64)
+    pools = []
+    monkeypatch.setattr(data, "worker_pool", lambda n, pool=data.worker_pool: pools.append(n) or pool(n))
+    data.build_store(tmp_path / "store.u8", files, 8)
+    assert pools == [1] and (tmp_path / "store.u8").stat().st_size == 130 * 3 * 8 * 8
