@@ -104,10 +104,11 @@ def retrieval_metrics(sim, text_pair, text_id=None):
     if len(uncaptioned):
         raise ValueError(f"pairs without any caption: {uncaptioned[:5].tolist()}")
     # Ties count against the model: rank = 1 + number of competitors scoring >= the true match.
-    # Otherwise a constant-score model would rank everything first. A tie of the same text is no
-    # competition: its vector is the same, and it is right for both pairs.
+    # Otherwise a constant-score model would rank everything first.
     true_score = sim[text_pair, np.arange(n_texts)]
     text_to_pair = (sim >= true_score[None, :]).sum(axis=0)  # the own pair is one of those counted
+    # For pair -> text, another pair's caption of the same words is no competitor: its vector is the
+    # same, and it is right for both pairs.
     order = np.argsort(text_pair, kind="stable")
     competing = sim[:, order]
     rows, columns = same_text_elsewhere(text_pair[order], text_id[order])

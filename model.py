@@ -234,7 +234,7 @@ class CLIP4IDC(nn.Module):
         return {name for name, _ in self.named_parameters() if not name.startswith("clip.")}
 
     def encode_pair(self, before, after):
-        """F'(X1, X2) of Eq. 4: the projected outputs of all 2(n+1) tokens, [B, 2(n+1), embed_dim].
+        """F'(X1, X2): Eq. 4, then the projection W, on all 2(n+1) tokens: [B, 2(n+1), embed_dim].
 
         `after` may hold k images for each before image, [B, k, 3, H, W] (stage 2's change and
         distractor pairs share their before image): the before image then passes the intra layers
