@@ -23,8 +23,8 @@ import evaluate
 import figures
 import train
 from adapt import AdaptConfig, build_model
-from data import IGNORE, InputError, next_tokens
-from model import CLIP4IDC, Captioner, CaptionerConfig
+from data import InputError
+from model import CLIP4IDC, IGNORE, Captioner, CaptionerConfig, next_tokens
 
 
 @dataclass

@@ -28,7 +28,7 @@ import regex as re
 import torch
 from PIL import Image
 
-from tokenizer import EOT, tokenize
+from tokenizer import tokenize
 
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a full or read-only disk: one line too, not a traceback
 
@@ -52,15 +52,6 @@ def end_interrupted(name):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return 130
-
-
-# ---- Caption targets ----------------------------------------------------------------------------
-IGNORE = -100  # target id of the padding after a caption's EOT: no loss
-
-
-def next_tokens(tokens):
-    """What each position of tokenized captions [N, L] predicts: the next id, up to EOT; IGNORE after it."""
-    return tokens[:, 1:].masked_fill(torch.cumsum(tokens == EOT, dim=1)[:, :-1] > 0, IGNORE)
 
 
 # ---- The three benchmarks, read in the layouts their authors publish ----------------------------

@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import IGNORE, next_tokens
 from tokenizer import EOT, SOT
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's pre-training pixel statistics
@@ -318,6 +317,14 @@ def contrastive_loss(v, g, logit_scale):
 
 
 # ---- Captioner: a Transformer encoder-decoder on the pair encoder's tokens (section 2.4) --------
+IGNORE = -100  # target id of the padding after a caption's EOT: no loss
+
+
+def next_tokens(tokens):
+    """What each position of tokenized captions [N, L] predicts: the next id, up to EOT; IGNORE after it."""
+    return tokens[:, 1:].masked_fill(torch.cumsum(tokens == EOT, dim=1)[:, :-1] > 0, IGNORE)
+
+
 @dataclass
 class CaptionerConfig:  # Appendix B: 3 + 3 layers, 8 heads, hidden 512 (= CLIP's embed_dim), dropout 0.1
     layers: int = 3
