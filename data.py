@@ -454,7 +454,7 @@ class CaptionDataset(torch.utils.data.Dataset):
 
 
 class EvalDataset(torch.utils.data.Dataset):
-    """Evaluation items (see `eval_items`) -> (index, before, after); the references are items[index].captions."""
+    """Pairs or evaluation items (see `eval_items`) -> (index, before, after): only their two images are read."""
 
     def __init__(self, items, image_size, store=None):
         self.items, self.size, self.load = items, image_size, store or read_pixels
