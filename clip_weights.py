@@ -84,6 +84,8 @@ def load_checkpoint(path, device="cpu", n_intra=9, heads=8):
     else:
         raise InputError(f"{path}: expected a best.pt or last.pt of adapt.py or caption.py, or a "
                          "pytorch_model.bin of the authors' CLIP4IDC code")
+    if not all(w.isfinite().all() for w in model.state_dict().values() if w.is_floating_point()):
+        raise InputError(f"{path}: its weights are not all finite, as a diverged training leaves them")
     return model.to(device).eval()
 
 

@@ -437,15 +437,19 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     def diverged(what):
         return InputError(f"step {state['step']}: {what}, training diverged: lower --lr or --lr_clip")
 
+    def require_finite():  # alike in every process; the last good last.pt and best.pt stay
+        if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():
+            raise diverged("the weights are not finite")
+
     def checkpoint():
-        if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # alike in every process
-            raise diverged("the weights are not finite")  # and the last good last.pt stays
+        require_finite()
         rngs = gather_objects(rng_state())  # every process's dropout stream
         if rank() == 0:
             save(dict(**{k: v.state_dict() for k, v in run.items() if v is not None}, state=state, rng=rngs, **saved),
                  "last.pt")
 
     def end_of_epoch(epoch):
+        require_finite()  # else a diverged model's score could make it best.pt
         score, metrics = gather_objects(validate() if rank() == 0 else None)[0]  # every process stops together
         state["history"].append(dict(epoch=epoch, step=state["step"], score=score, val=metrics))
         print(f"epoch {epoch} val score {score:.2f} (best {max(score, state['best']):.2f})", flush=True)

@@ -173,6 +173,14 @@ def test_layer_split_and_heads_that_our_checkpoint_contradicts_are_refused(root,
     assert capsys.readouterr().out.strip()  # the values the file holds are welcome
 
 
+def test_a_checkpoint_of_a_diverged_training_is_refused(tmp_path, capsys):
+    captioner = tiny_captioner()
+    next(captioner.parameters()).data[0] = float("nan")
+    save_checkpoint(captioner, tmp_path / "nan.pt")
+    assert error_of(capsys, "--ckpt", tmp_path / "nan.pt", "--pair", *write_pair(tmp_path)) == (
+        f"{tmp_path / 'nan.pt'}: its weights are not all finite, as a diverged training leaves them")
+
+
 def test_a_pair_encoder_is_refused_only_the_file_it_writes(root, tmp_path, capsys):
     save_checkpoint(tiny_captioner().encoder, tmp_path / "stage1.pt")
     run = tmp_path / "run"

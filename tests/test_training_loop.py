@@ -193,6 +193,24 @@ def test_weights_gone_nan_are_not_saved_over_the_last_good_checkpoint(tmp_path):
     assert last["state"]["step"] == 2 and all(w.isfinite().all() for w in last["model"].values())
 
 
+def test_weights_gone_nan_are_neither_validated_nor_saved_as_best_and_an_overwritten_run_stays(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_pair_encoder()
+    earlier = {name: name.encode() for name in ("last.pt", "best.pt", "metrics.json")}
+    for name, content in earlier.items():
+        (tmp_path / name).write_bytes(content)
+
+    def break_at_step_6():  # the last step of epoch 1: no last.pt was due before it
+        steps.append(1)
+        if len(steps) == 6:
+            next(model.parameters()).data.fill_(float("nan"))
+    steps, validated = [], []
+    with pytest.raises(data.InputError, match=r"^step 6: the weights are not finite, training diverged"):
+        fit(config(tmp_path, save_every=100, overwrite=True), model, ToyPairs(), lambda: validated.append(1) or (0.0, {}),
+            model.new_parameter_names(), "cosine", after_step=break_at_step_6)
+    assert validated == [] and {p.name: p.read_bytes() for p in tmp_path.iterdir()} == earlier
+
+
 @pytest.mark.parametrize("error, message", [
     (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),  # torch.save, disk full
      r"cannot write it \(.* unexpected pos 576 vs 534\); is the disk full\?$"),
