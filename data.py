@@ -43,6 +43,14 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """An empty value (`--data_root "$DATA"`, the variable unset) is refused, not read as the default."""
+        parsed = super().parse_args(args, namespace)
+        values = vars(parsed).items()
+        if empty := [name for name, value in values if value == "" or isinstance(value, list) and "" in value]:
+            self.error(f"--{empty[0]}: expected a value, got an empty string")
+        return parsed
+
 
 def end_interrupted(name):
     """Ctrl-C: one line, then end by the signal, as shells expect (a script's loop stops too); else status 130."""

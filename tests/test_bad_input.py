@@ -714,3 +714,23 @@ def test_a_list_of_pairs_names_its_bad_line(tmp_path):
     (tmp_path / "pairs.txt").write_text("a.png\tb c.png\n")  # a tab: paths may hold spaces
     with pytest.raises(InputError, match=r"pairs.txt: 2 images not found, e.g. .*a.png"):
         evaluate.read_pair_list(tmp_path / "pairs.txt")
+
+
+@pytest.mark.parametrize("run, argv, flag", [
+    (adapt.main, ["--data_root", ""], "--data_root"),  # `--data_root "$DATA"` with DATA unset: not the default
+    (adapt.main, ["--out_dir", "", "--overwrite"], "--out_dir"),
+    (caption.main, ["--init_from", ""], "--init_from"),
+    (evaluate.main, ["--ckpt", "best.pt", "--pair", "b.png", ""], "--pair"),
+    (bench.main, ["loader", "--data_root", ""], "--data_root"),
+])
+def test_an_empty_value_is_refused_not_read_as_the_default(run, argv, flag, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert error_of(capsys, run, *argv).endswith(f"error: {flag}: expected a value, got an empty string")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_synth_refuses_an_empty_out(tmp_path):
+    done = subprocess.run([sys.executable, Path(synth.__file__).resolve(), "--out", ""], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert (done.returncode, done.stderr) == (2, "synth.py: error: --out: expected a value, got an empty string\n")
+    assert list(tmp_path.iterdir()) == []
