@@ -308,10 +308,16 @@ def prepare_data(cfg, image_size, samples=len):
     if saved not in (None, now):  # --data_root may move, but the data order needs the run's number of samples
         raise InputError(f"--resume: {last} trained on {saved} samples, the data now holds {now}: resume on the "
                          "same data")
+    require_batch(cfg.batch_size, now)  # before any image is stored
     store = data.ImageStore([p for s in splits.values() for p in s], image_size, cfg.data_root) if cfg.cache else None
     if rank() == 0:
         barrier()
     return splits, store
+
+
+def require_batch(batch_size, samples):
+    if batch_size > samples:
+        raise InputError(f"--batch_size {batch_size}: expected at most the {samples} training samples")
 
 
 # ---- Optimiser and schedule ---------------------------------------------------------------------
@@ -410,9 +416,8 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     """
     out, device = Path(cfg.out_dir), next(model.parameters()).device
     autocast, scaler = mixed_precision(device, cfg.amp)
+    require_batch(cfg.batch_size, len(train_set))
     steps_per_epoch = len(train_set) // cfg.batch_size
-    if steps_per_epoch == 0:
-        raise InputError(f"--batch_size {cfg.batch_size}: expected at most the {len(train_set)} training samples")
     total = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
     sampler = data.EpochSampler(len(train_set), cfg.seed, cfg.batch_size, rank(), world())
     loader = data.make_loader(train_set, cfg.batch_size // world(), device, cfg.workers, sampler, cfg.seed)

@@ -285,14 +285,17 @@ def test_bench_py_refuses_bad_flags_in_one_line(monkeypatch, capsys, argv, messa
 
 
 def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_1, tmp_path, capsys):
-    assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
+    shutil.copytree(root, tmp_path / "data", ignore=shutil.ignore_patterns("store_*"))  # no image store yet
+    earlier, at = snapshot(tmp_path), ["--data_root", tmp_path / "data"]
+    assert error_of(capsys, caption.main, *SMALL, *at, "--out_dir", tmp_path / "c", "--init_from",
                     stage_1 / "best.pt", "--heads", 3).endswith("heads 3: expected a divisor of the width 64")
-    assert error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "a", "--batch_size",
-                    1000).endswith("--batch_size 1000: expected at most the 120 training samples")
-    assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
+    for run, stage in ((adapt.main, []), (caption.main, ["--init_from", stage_1 / "best.pt"])):
+        assert error_of(capsys, run, *SMALL, *at, "--out_dir", tmp_path / "a", *stage, "--batch_size", 1000).endswith(
+            f"--batch_size 1000: expected at most the {120 if run is adapt.main else 24} training samples")
+    assert error_of(capsys, caption.main, *SMALL, *at, "--out_dir", tmp_path / "c", "--init_from",
                     "openai", "--lr_clip", 0).endswith("--lr_clip 0 with --init_from openai would leave e1, e2 and p "
                                                        "as drawn: freeze a pair encoder that stage 1 trained")
-    assert list(tmp_path.iterdir()) == []
+    assert snapshot(tmp_path) == earlier and [p.name for p in tmp_path.iterdir()] == ["data"]  # no image store
 
 
 def test_a_failed_download_is_one_line(root, tmp_path, capsys, monkeypatch):
