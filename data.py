@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import errno
 import functools
+import itertools
 import json
 import logging
 import multiprocessing
@@ -336,6 +337,19 @@ def scratch(path, suffix):
         if (match := name.fullmatch(leftover.name)) and not running(int(match[1])):
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
     return path.with_name(f"{path.name}.{host}-{os.getpid()}.{suffix}")
+
+
+@contextlib.contextmanager
+def new_folders(folder):
+    """Make `folder` and its missing parents; those made are removed again if the block leaves them empty
+    (a run or a drawing that failed before writing anything there)."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    finally:
+        for made_folder in itertools.takewhile(lambda f: f.is_dir() and not any(f.iterdir()), made):
+            made_folder.rmdir()
 
 
 def running(pid):

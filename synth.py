@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data import (DISK_ERRNOS, ArgumentParser, InputError, check_writable, cores, end_interrupted, read_json,
-                  scratch, worker_pool)
+from data import (DISK_ERRNOS, ArgumentParser, InputError, check_writable, cores, end_interrupted, new_folders,
+                  read_json, scratch, worker_pool)
 
 log = logging.getLogger("synth")
 
@@ -206,9 +206,14 @@ def write_synth(out, n_pairs, seed, workers=None):
         raise InputError(f"--pairs {n_pairs}: expected at least {MIN_PAIRS}, for non-empty val and test splits")
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new folder for the synthetic dataset")
+    with new_folders(out.parent):  # those it makes go again if the drawing fails
+        draw_into(out, n_pairs, seed, workers or min(cores(), 1 + n_pairs // 500))
+
+
+def draw_into(out, n_pairs, seed, workers):
+    """write_synth's drawing, into a folder renamed `out` once whole."""
     tmp = scratch(out, "partial")  # renamed when whole: a killed run leaves no dataset
     files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
-    workers = workers or min(cores(), 1 + n_pairs // 500)
     try:
         for folder in ("images", "sc_images", "nsc_images"):
             (tmp / folder).mkdir(parents=True)
@@ -224,8 +229,10 @@ def write_synth(out, n_pairs, seed, workers=None):
         files["splits"] = {split: list(range(a, b)) for split, a, b in zip(("train", "val", "test"), ends, ends[1:])}
         for name, content in files.items():
             (tmp / f"{name}.json").write_text(json.dumps(content))
-    except BaseException:  # an interrupted drawing leaves nothing behind
+    except BaseException as e:  # an interrupted drawing leaves nothing behind
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:  # a full disk: name the folder, as PIL's error may not
+            raise OSError(e.errno, e.strerror, str(out)) from None
         raise
     try:
         tmp.rename(out)

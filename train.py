@@ -209,9 +209,7 @@ def locked(out):
     """Hold out/.lock while training, so that a second run on the folder is refused rather than racing on its
     files, and remove what a killed checkpoint write left (.tmp). Folders it made are removed if the run ends
     before writing anything into them."""
-    made = [p for p in (out, *out.parents) if not p.exists()]  # the deepest first
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "w") as lock:
+    with data.new_folders(out), open(out / ".lock", "w") as lock:
         take_lock(lock, out)
         for name in ("last.pt", "best.pt"):  # what clip_weights.save_atomic leaves; the user's own *.tmp stay
             (out / f"{name}.tmp").unlink(missing_ok=True)
@@ -219,8 +217,6 @@ def locked(out):
             yield
         finally:
             (out / ".lock").unlink(missing_ok=True)
-            for folder in itertools.takewhile(lambda folder: not any(folder.iterdir()), made):
-                folder.rmdir()
 
 
 def take_lock(lock, out):

@@ -239,13 +239,14 @@ def test_synth_py_on_a_full_disk_says_so_in_one_line(code, one_line, tmp_path):
             f"def fail(*args, **kwargs): raise OSError({code}, 'as the disk would')\n"
             "Image.Image.save, sys.argv = fail, ['synth.py', '--out', sys.argv[1], '--pairs', '10']\n"
             "runpy.run_path('synth.py', run_name='__main__')")
-    result = subprocess.run([sys.executable, "-c", fail, str(tmp_path / "synth")], cwd=Path(__file__).parent.parent,
+    out = tmp_path / "new" / "folders" / "synth"
+    result = subprocess.run([sys.executable, "-c", fail, str(out)], cwd=Path(__file__).parent.parent,
                             capture_output=True, text=True)
     if one_line:
-        assert (result.returncode, result.stderr) == (2, f"synth.py: error: [Errno {code}] as the disk would\n")
+        assert (result.returncode, result.stderr) == (2, f"synth.py: error: [Errno {code}] as the disk would: '{out}'\n")
     else:  # not the disk's space: a bug or a broken device, whose traceback stays
         assert result.returncode == 1 and "Traceback" in result.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # nor the folders made for it
 
 
 def test_synth_py_refuses_an_out_it_cannot_write(tmp_path):
