@@ -203,7 +203,11 @@ def train_pairs_and_store(args):
     and use, so that neither builds it again."""
     splits = [data.read_split(args.data, args.data_root, split) for split in ("train", "val", "test")]
     size = adapt.SMALL_CLIP.image_size if args.preset == "small" else 224
-    return splits[0], size, data.ImageStore([p for pairs in splits for p in pairs], size, args.data_root)
+    try:
+        return splits[0], size, data.ImageStore([p for pairs in splits for p in pairs], size, args.data_root)
+    except data.InputError as e:  # the runs' way out, --no-cache, is none here: this times the store
+        raise data.InputError(str(e).replace("pass --no-cache", "bench.py times the store, so it must be written "
+                                             "there")) from None
 
 
 def bench_loader(args):

@@ -555,6 +555,17 @@ def test_an_unreadable_training_image_is_one_line_and_leaves_no_run_folder(root,
     assert sorted(os.listdir(tmp_path)) == ["synth"]  # nor the folders made above the run's
 
 
+def test_bench_py_on_read_only_data_does_not_advise_a_flag_it_lacks(root, tmp_path, capsys, monkeypatch):
+    shutil.copytree(root, tmp_path / "synth", ignore=shutil.ignore_patterns("store_*"))
+
+    def read_only(path, missing_ok=False):  # as on a read-only mount, which root cannot write either
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+    monkeypatch.setattr(Path, "unlink", read_only)
+    error = error_of(capsys, bench.main, "loader", "--data_root", tmp_path / "synth", "--preset", "small")
+    assert error.endswith(f"cannot write the image store {tmp_path / 'synth' / 'store_128px.u8'} (Read-only file "
+                          "system): bench.py times the store, so it must be written there")
+
+
 def test_an_unreadable_image_is_one_line_in_bench_py_too(root, tmp_path, capsys):
     shutil.copytree(root, tmp_path / "synth", ignore=shutil.ignore_patterns("store_*"))
     image = tmp_path / "synth" / "images" / "CLEVR_default_000000.png"
@@ -699,6 +710,11 @@ def test_command_line_combinations_are_checked(root, stage_1, tmp_path, capsys):
         capsys, evaluate.main, "--predictions", preds, "--ckpt", stage_1 / "best.pt", "--pair", image, image)
     assert f"{tmp_path} is a folder: expected a file to write (--out)" in error_of(
         capsys, evaluate.main, "--predictions", preds, "--data", "synth", "--data_root", root, "--out", tmp_path)
+    (tmp_path / "figure.png").mkdir()
+    assert error_of(capsys, evaluate.main, "--ckpt", stage_1 / "best.pt", "--pair", image, image, "--attention",
+                    tmp_path / "figure.png", "--overwrite").endswith(
+        f"{tmp_path / 'figure.png'} is a folder: expected a file to write (--attention)")
+    (tmp_path / "figure.png").rmdir()
     (tmp_path / "run" / "metrics.json").mkdir(parents=True)
     assert f"{tmp_path / 'run' / 'metrics.json'} is a folder: expected a file to write (--out_dir)" in error_of(
         capsys, evaluate.main, "--ckpt", stage_1 / "best.pt", "--data", "synth", "--data_root", root,
