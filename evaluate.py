@@ -474,7 +474,8 @@ def main(argv=None):
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     if args.attention and not figures.pillow_writes(args.attention):
         parser.error(f"--attention {args.attention}: expected the name of an image file Pillow writes, such as attention.png")
-    for flag, out in (("--out", args.out), ("--out_dir", args.out_dir and Path(args.out_dir) / "metrics.json")):
+    for flag, out in (("--out", args.out), ("--attention", args.attention),
+                      ("--out_dir", args.out_dir and Path(args.out_dir) / "metrics.json")):
         if out and Path(out).is_dir():
             parser.error(f"{out} is a folder: expected a file to write ({flag})")
     check_outputs([("--out", args.out), ("--attention", args.attention)], args.overwrite)
