@@ -104,7 +104,7 @@ def read_checkpoint(path, mmap=False):
         raise InputError(f"{path}: cannot read it as a checkpoint (not torch's format, or it holds objects "
                          "besides tensors and plain data)") from None
     except Exception as e:  # truncated, or not a zip file: a bad file, not a bug
-        raise InputError(f"{path}: cannot read it as a checkpoint ({first_line(e)})") from None
+        raise InputError(f"{path}: cannot read it as a checkpoint ({type(e).__name__}: {first_line(e)})") from None
 
 
 def save_atomic(obj, path):
@@ -281,9 +281,11 @@ def load_weights(model, sd, name="checkpoint"):
     unexpected = sorted(sd.keys() - ours.keys())
     misshaped = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(ours[k].shape)}"
                  for k in ours.keys() & sd.keys() if sd[k].shape != ours[k].shape]
+    def few(keys):  # a foreign file can differ in every one of hundreds of keys
+        return f"{keys[:5]}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
     if missing or unexpected or misshaped:
-        raise InputError(f"{name} does not match {type(model).__name__}: missing keys: {missing}; unexpected keys: "
-                         f"{unexpected}; mis-shaped keys: {sorted(misshaped)}")
+        raise InputError(f"{name} does not match {type(model).__name__}: missing keys: {few(missing)}; unexpected "
+                         f"keys: {few(unexpected)}; mis-shaped keys: {few(sorted(misshaped))}")
     with torch.no_grad():
         for k, v in sd.items():
             ours[k].copy_(v)  # the release stores most weights in fp16; copy_ casts to our fp32

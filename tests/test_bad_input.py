@@ -612,6 +612,9 @@ def test_checkpoints_that_are_not_ours_are_named(root, stage_1, tmp_path, capsys
     assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
                     root / "splits.json").endswith(f"error: {root / 'splits.json'}: cannot read it as a checkpoint "
                                                    "(not torch's format, or it holds objects besides tensors and plain data)")
+    (tmp_path / "notes.pt").write_text("hello")  # torch's legacy reader fails on it with a bare KeyError(101), the "e" of "hello"
+    assert error_of(capsys, evaluate.main, "--ckpt", tmp_path / "notes.pt", "--pairs", foreign).endswith(
+        f"{tmp_path / 'notes.pt'}: cannot read it as a checkpoint (KeyError: 101)")
     assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
                     stage_1).endswith(f"{stage_1} is a folder: expected a checkpoint file, such as {stage_1 / 'best.pt'}")
     assert not (tmp_path / "c").exists()
@@ -628,6 +631,8 @@ def test_a_caption_length_beyond_the_encoders_text_positions_is_refused(root, st
     (lambda ckpt: ckpt.update(model_config="hello"), "its model_config describes no model of ours (TypeError"),
     (lambda ckpt: ckpt["model"].pop("e1"), "does not match CLIP4IDC: missing keys: ['e1']"),
     (lambda ckpt: ckpt["model_config"]["encoder"]["clip"].update(vision_width=32), "does not match CLIP4IDC: "),
+    (lambda ckpt: ckpt.update(model={f"other.{k}": v for k, v in ckpt["model"].items()}),  # every key: a few are named
+     "'clip.text_projection'] and 86 more; unexpected keys: ['other."),
 ])
 def test_a_checkpoint_of_ours_with_bad_content_is_named(root, stage_1, tmp_path, capsys, edit, message):
     ckpt = torch.load(stage_1 / "best.pt", weights_only=True)
@@ -635,7 +640,7 @@ def test_a_checkpoint_of_ours_with_bad_content_is_named(root, stage_1, tmp_path,
     torch.save(ckpt, tmp_path / "bad.pt")
     error = error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
                      tmp_path / "bad.pt")
-    assert f"{tmp_path / 'bad.pt'}" in error and message in error
+    assert f"{tmp_path / 'bad.pt'}" in error and message in error and len(error) < 1000
     assert not (tmp_path / "c").exists()
 
 
