@@ -150,7 +150,7 @@ def read_clevr(root, split):
     splits, path = read_json("clevr", root / "splits.json")
     if split not in splits:
         raise InputError(f"{path}: no split {split!r} (it has {', '.join(splits)})")
-    if not (isinstance(splits[split], list) and all(isinstance(i, int) for i in splits[split])):
+    if not (isinstance(splits[split], list) and all(type(i) is int for i in splits[split])):
         raise InputError(f"{path}: split {split!r}: expected a list of integer image ids")
     (change, change_path), (no_change, no_change_path), (types, types_path) = (
         read_json("clevr", root / f"{name}.json") for name in ("change_captions", "no_change_captions", "type_mapping"))

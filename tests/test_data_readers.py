@@ -209,6 +209,7 @@ def test_unknown_dataset_is_refused(tmp_path):
 @pytest.mark.parametrize("name, content, message", [
     ("splits", [1, 2, 3], "splits.json: top level is a list; expected a JSON object"),
     ("splits", {"train": 3}, "splits.json: split 'train': expected a list of integer image ids"),
+    ("splits", {"train": [0, True]}, "splits.json: split 'train': expected a list of integer image ids"),  # JSON true is not id 1
     ("change_captions", [["change 1 a"]], "change_captions.json: top level is a list; expected a JSON object"),
     ("type_mapping", ["000001.png"], "type_mapping.json: top level is a list; expected a JSON object"),
     ("type_mapping", {"color": 1}, "type_mapping.json: 'color': expected a list of image names such as "
