@@ -184,6 +184,9 @@ def read_spot(root, split):
     images = root / "resized_images" if (root / "resized_images").is_dir() else root / "images"
     sentences = {}  # one img_id may be annotated in several entries: merge them into one pair
     for n, entry in enumerate(entries):
+        if isinstance(entry["img_id"], bool) or not isinstance(entry["img_id"], (str, int)):  # it names the images
+            raise InputError(f"{path}: entry {n}: img_id {json.dumps(entry['img_id']):.80}; expected a string or an "
+                             "integer")
         sentences.setdefault(str(entry["img_id"]), []).extend(caption_list(entry["sentences"], path, f"entry {n}"))
     return [Pair(f"{i}.png", images / f"{i}.png", images / f"{i}_2.png", sents) for i, sents in sentences.items()]
 

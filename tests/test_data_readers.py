@@ -153,6 +153,15 @@ def test_spot_entry_without_sentences_is_named(tmp_path):
         data.read_split("spot", tmp_path, "val")
 
 
+@pytest.mark.parametrize("img_id, shown", [(None, "null"), (36.0, "36.0"), (True, "true")])
+def test_spot_img_id_that_cannot_name_images_is_refused(tmp_path, img_id, shown):
+    write_spot(tmp_path)
+    (tmp_path / "annotations" / "val.json").write_text(json.dumps([{"img_id": 9, "sentences": ["z"]},
+                                                                   {"img_id": img_id, "sentences": ["z"]}]))
+    with pytest.raises(data.InputError, match=f"val.json: entry 1: img_id {shown}; expected a string or an integer$"):
+        data.read_split("spot", tmp_path, "val")
+
+
 def test_spot_missing_after_image(tmp_path):
     write_spot(tmp_path)
     (tmp_path / "resized_images" / "7_2.png").unlink()
