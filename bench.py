@@ -205,9 +205,11 @@ def train_pairs_and_store(args):
     size = adapt.SMALL_CLIP.image_size if args.preset == "small" else 224
     try:
         return splits[0], size, data.ImageStore([p for pairs in splits for p in pairs], size, args.data_root)
-    except data.InputError as e:  # the runs' way out, --no-cache, is none here: this times the store
-        raise data.InputError(str(e).replace("pass --no-cache", "bench.py times the store, so it must be written "
-                                             "there")) from None
+    except data.InputError as e:
+        if not str(e).endswith("pass --no-cache"):  # an unreadable image, say
+            raise
+        reason = str(e).rsplit(": ", 1)[0]  # less the advice, which is no way out here: this times the store
+        raise data.InputError(f"{reason}: bench.py times the store, so it must be written there") from None
 
 
 def bench_loader(args):

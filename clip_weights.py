@@ -180,7 +180,7 @@ def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
     sd = {k.removeprefix("module."): v for k, v in sd.items()}
     clip_sd = {k.removeprefix("clip."): v for k, v in sd.items()
                if k.startswith("clip.") and k.removeprefix("clip.") not in AUTHORS_PAIR.values()}
-    clip_config = config_from_state_dict(clip_sd, name)
+    clip_config = config_from_state_dict(clip_sd, name, "clip.")
     if not 0 <= n_intra <= clip_config.vision_layers:
         raise InputError(f"--n_intra {n_intra}: {name} has {clip_config.vision_layers} vision layers")
     model = CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=n_intra))
@@ -236,13 +236,14 @@ def is_torchscript(path):
         return any(name.endswith("/constants.pkl") for name in z.namelist())
 
 
-def config_from_state_dict(sd, name="checkpoint"):
-    """The CLIPConfig of an OpenAI ViT checkpoint, read off its tensor shapes (as OpenAI's build_model does)."""
+def config_from_state_dict(sd, name="checkpoint", prefix=""):
+    """The CLIPConfig of an OpenAI ViT checkpoint, read off its tensor shapes (as OpenAI's build_model does).
+    `prefix`: what the file's keys had before the ones in `sd` (the authors' "clip."), for the errors."""
     if "visual.proj" not in sd and any(k.startswith("visual.layer1.") for k in sd):
         raise InputError(f"{name}: a ResNet CLIP checkpoint (RN50, RN101, ...); only ViT checkpoints are supported")
     required = ["visual.conv1.weight", "visual.positional_embedding", "visual.proj", "positional_embedding",
                 "token_embedding.weight", "ln_final.weight", "text_projection"]
-    missing = [k for k in required if k not in sd]
+    missing = [prefix + k for k in required if k not in sd]
     if missing:
         raise InputError(f"{name}: not a CLIP ViT checkpoint: missing keys {missing}")
     vision_width, _, patch_size, _ = sd["visual.conv1.weight"].shape
@@ -253,22 +254,22 @@ def config_from_state_dict(sd, name="checkpoint"):
         image_size=patch_size * grid,
         patch_size=patch_size,
         vision_width=vision_width,
-        vision_layers=count_blocks(sd, "visual.transformer.resblocks.", name),
+        vision_layers=count_blocks(sd, "visual.transformer.resblocks.", name, prefix),
         vision_heads=vision_width // 64,  # OpenAI's ViTs all use 64-dim heads
         context_length=sd["positional_embedding"].shape[0],
         vocab_size=sd["token_embedding.weight"].shape[0],
         text_width=text_width,
-        text_layers=count_blocks(sd, "transformer.resblocks.", name),
+        text_layers=count_blocks(sd, "transformer.resblocks.", name, prefix),
         text_heads=text_width // 64,
     )
 
 
-def count_blocks(sd, prefix, name="checkpoint"):
+def count_blocks(sd, prefix, name="checkpoint", file_prefix=""):
     # The highest index, not the number of indices: a block missing in the middle is then
     # reported as missing keys rather than shifting the last block into "unexpected".
     indices = [int(k[len(prefix):].split(".")[0]) for k in sd if k.startswith(prefix)]
     if not indices:
-        raise InputError(f"{name}: not a CLIP ViT checkpoint: no keys start with {prefix!r}")
+        raise InputError(f"{name}: not a CLIP ViT checkpoint: no keys start with {file_prefix + prefix!r}")
     return 1 + max(indices)
 
 

@@ -347,8 +347,8 @@ def new_folders(folder):
     """Make `folder` and its missing parents; those made are removed again if the block leaves them empty
     (a run or a drawing that failed before writing anything there)."""
     made = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
-    folder.mkdir(parents=True, exist_ok=True)
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         yield
     finally:
         for made_folder in itertools.takewhile(lambda f: f.is_dir() and not any(f.iterdir()), made):
@@ -515,14 +515,15 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 def cores():
-    """The cores this process may run on (a container's or a job's share, not the machine's)."""
+    """The cores this process may run on: its CPU affinity (taskset, Slurm, a container's --cpuset-cpus), not the
+    machine's count; a CPU quota (a container's --cpus) is not seen."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def loader_workers(workers, device):
-    """Loader processes: `workers` (--workers) if 0 or more; for -1, the cores of this process's share of
-    the machine less one, at most 8, and none for CPU training on two cores or fewer: its threads keep both
-    cores busy, and a loader process only takes turns with them (300 steps in 70-73 s, not 79-80: README)."""
+    """Loader processes: `workers` (--workers) if 0 or more; for -1, this process's share of `cores()` less
+    one, at most 8, and none for CPU training on two cores or fewer: its threads keep both cores busy, and a
+    loader process only takes turns with them (300 steps in 70-73 s, not 79-80: README)."""
     if workers >= 0:
         return workers
     share = cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))

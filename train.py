@@ -357,13 +357,18 @@ def make_schedule(optimizer, total_steps, warmup, decay):
 
 
 # ---- Checkpoints --------------------------------------------------------------------------------
-def rng_state():  # the only global random streams training draws from (dropout)
-    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+def rng_state(device):
+    """The global random streams training draws from (dropout): the CPU's and the training GPU's, which on
+    resume goes to the GPU that trains then, whatever its index (--device and the visible GPUs may change)."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
 
-def set_rng_state(state):
+def set_rng_state(state, device):
     torch.set_rng_state(state["torch"])
-    for device, cuda in enumerate(state["cuda"][:torch.cuda.device_count()]):  # resumed where fewer GPUs are visible
+    cuda = state["cuda"]
+    if isinstance(cuda, list):  # a last.pt of an earlier version: the streams of all GPUs then visible, by index
+        cuda = cuda[device.index] if device.type == "cuda" and device.index < len(cuda) else None
+    if cuda is not None and device.type == "cuda":
         torch.cuda.set_rng_state(cuda, device)
 
 
@@ -378,7 +383,7 @@ def resume(path, run, shape):
         if obj is not None and (name in ckpt or name != "scaler"):  # onto fp16 from a run without: a new scaler
             obj.load_state_dict(ckpt[name])
     if len(ckpt["rng"]) == world():
-        set_rng_state(ckpt["rng"][rank()])
+        set_rng_state(ckpt["rng"][rank()], next(run["model"].parameters()).device)
     else:
         print(f"{path} was written by {len(ckpt['rng'])} processes: random streams (dropout) start afresh")
     print(f"resumed from {path} at step {ckpt['state']['step']}")
@@ -444,7 +449,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
 
     def checkpoint():
         require_finite()
-        rngs = gather_objects(rng_state())  # every process's dropout stream
+        rngs = gather_objects(rng_state(device))  # every process's dropout stream
         if rank() == 0:
             save(dict(**{k: v.state_dict() for k, v in run.items() if v is not None}, state=state, rng=rngs, **saved),
                  "last.pt")

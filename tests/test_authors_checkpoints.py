@@ -144,7 +144,7 @@ def test_an_authors_file_missing_a_tensor_is_named(tmp_path, stage):
     sd = authors_state_dict(stage)
     del sd["clip.visual.proj"]
     torch.save(sd, tmp_path / "pytorch_model.bin")
-    with pytest.raises(InputError, match=r"pytorch_model.bin: not a CLIP ViT checkpoint: missing keys \['visual.proj'\]"):
+    with pytest.raises(InputError, match=r"pytorch_model.bin: not a CLIP ViT checkpoint: missing keys \['clip.visual.proj'\]"):
         clip_weights.load_checkpoint(tmp_path / "pytorch_model.bin", n_intra=IO["n_intra"], heads=IO["cap_heads"])
 
 

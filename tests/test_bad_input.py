@@ -555,15 +555,18 @@ def test_an_unreadable_training_image_is_one_line_and_leaves_no_run_folder(root,
     assert sorted(os.listdir(tmp_path)) == ["synth"]  # nor the folders made above the run's
 
 
-def test_bench_py_on_read_only_data_does_not_advise_a_flag_it_lacks(root, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("disk", ["read-only", "full"])
+def test_bench_py_on_a_disk_it_cannot_write_does_not_advise_a_flag_it_lacks(disk, root, tmp_path, capsys, monkeypatch):
     shutil.copytree(root, tmp_path / "synth", ignore=shutil.ignore_patterns("store_*"))
+    code, reason = (errno.EROFS, "Read-only file system") if disk == "read-only" else (errno.ENOSPC, "No space left")
 
-    def read_only(path, missing_ok=False):  # as on a read-only mount, which root cannot write either
-        raise OSError(errno.EROFS, "Read-only file system", str(path))
-    monkeypatch.setattr(Path, "unlink", read_only)
+    def fail(*args, **kwargs):  # as on a read-only mount (which root cannot write either), or a full disk
+        raise OSError(code, reason)
+    monkeypatch.setattr(*(Path, "unlink") if disk == "read-only" else (data.os, "posix_fallocate"), fail)
     error = error_of(capsys, bench.main, "loader", "--data_root", tmp_path / "synth", "--preset", "small")
-    assert error.endswith(f"cannot write the image store {tmp_path / 'synth' / 'store_128px.u8'} (Read-only file "
-                          "system): bench.py times the store, so it must be written there")
+    store = tmp_path / "synth" / "store_128px.u8"
+    assert error.endswith(f"cannot write the image store {store}{' of 4.4 MB' * (disk == 'full')} ({reason}): bench.py "
+                          "times the store, so it must be written there")
 
 
 def test_an_unreadable_image_is_one_line_in_bench_py_too(root, tmp_path, capsys):

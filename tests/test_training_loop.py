@@ -102,14 +102,22 @@ def test_a_run_resumed_where_amp_needs_a_grad_scaler_starts_one(tmp_path, monkey
     assert last["state"]["step"] == 12 and last["scaler"]["scale"] == 2.0 ** 16
 
 
-def test_a_run_resumed_where_fewer_gpus_are_visible_restores_the_streams_of_those_there(monkeypatch):
-    """last.pt keeps one dropout stream per GPU that was visible; --device may change on resume."""
+@pytest.mark.parametrize("saved, device, expected", [
+    ("stream", "cuda:1", 0),  # trained on cuda:1, resumed on cuda:1 or, other GPUs hidden, on cuda:0
+    ("stream", "cuda:0", 0),
+    ("stream", "cpu", None),  # a GPU run resumed on a CPU
+    ("two GPUs", "cuda:1", 1),  # a last.pt of an earlier version: one stream per GPU then visible
+    ("two GPUs", "cuda:0", 0),
+    ("two GPUs", "cuda:2", None),  # not visible then
+])
+def test_a_resumed_run_gets_the_dropout_stream_of_the_gpu_it_trained_on(monkeypatch, saved, device, expected):
+    """last.pt keeps the training GPU's stream; --device and the visible GPUs may change on resume."""
     restored = []
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
     streams = [torch.full((16,), gpu, dtype=torch.uint8) for gpu in range(2)]
-    train.set_rng_state(dict(torch=torch.get_rng_state(), cuda=streams))
-    assert restored == [(streams[0], 0)]
+    cuda = streams[0] if saved == "stream" else streams
+    train.set_rng_state(dict(torch=torch.get_rng_state(), cuda=cuda), torch.device(device))
+    assert restored == ([] if expected is None else [(streams[expected], torch.device(device))])
 
 
 def test_a_rate_of_zero_freezes_its_parameters_and_spares_their_gradients(tmp_path):
