@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import errno
 import functools
-import itertools
 import json
 import logging
 import multiprocessing
@@ -351,7 +350,9 @@ def new_folders(folder):
         folder.mkdir(parents=True, exist_ok=True)
         yield
     finally:
-        for made_folder in itertools.takewhile(lambda f: f.is_dir() and not any(f.iterdir()), made):
+        for made_folder in filter(Path.is_dir, made):  # not all were made if making them failed
+            if any(made_folder.iterdir()):  # it, and so its parents, hold what the block wrote
+                break
             made_folder.rmdir()
 
 

@@ -762,3 +762,20 @@ def test_synth_refuses_an_empty_out(tmp_path):
                           capture_output=True, text=True)
     assert (done.returncode, done.stderr) == (2, "synth.py: error: --out: expected a value, got an empty string\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_folders_a_failed_start_made_are_removed_even_when_making_them_failed(tmp_path, monkeypatch):
+    mkdir = os.mkdir
+
+    def full_at_c(path, *args, **kwargs):  # a/ and a/b/ are made, then the disk is full
+        if Path(path).name == "c":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, "mkdir", full_at_c)
+    with pytest.raises(OSError, match="No space left"), data.new_folders(tmp_path / "a" / "b" / "c"):
+        pytest.fail("the block ran without its folder")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyboardInterrupt), data.new_folders(tmp_path / "a" / "b"):  # made, then the block fails
+        (tmp_path / "a" / "kept").write_text("written by the block")
+        raise KeyboardInterrupt
+    assert [p.name for p in tmp_path.rglob("*")] == ["a", "kept"]
