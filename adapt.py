@@ -46,7 +46,7 @@ class AdaptConfig:  # defaults: Appendix B and the authors' code
     grad_clip: float = 1.0  # largest gradient norm (0: no clipping)
     seed: int = 42  # model initialisation, data order, distractor swaps
     max_steps: int = 0  # stop after this many steps (0: all epochs)
-    cache: bool = False  # decode and resize every image once, into a uint8 file beside the data (data.ImageStore)
+    cache: bool = False  # decode and resize every image once, into a uint8 file beside the data (image_store.ImageStore)
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"  # mixed precision; auto: bf16 (else fp16) on CUDA, off on CPU
     compile: bool = False  # torch.compile the training step
     device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)
@@ -63,6 +63,17 @@ SYNTH_DEFAULTS = dict(preset="small", init="random", n_intra=2, n_inter=2, epoch
                       lr=5e-4, lr_clip=5e-4, weight_decay=0.05, cache=True)
 # --recipe authors: their script adapts 20 epochs on Spot-the-Diff (12 on CLEVR-Change, as the paper says).
 AUTHORS_DEFAULTS = {"spot": dict(epochs=20)}
+# The CLIP parameters that the authors' scripts freeze in both stages (their --freeze_layer_num 0):
+# the image tower's patch, class and position embeddings and ln_pre, the text tower's embeddings.
+AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre.weight",
+                  "visual.ln_pre.bias", "positional_embedding", "token_embedding.weight")
+
+
+def freeze_as_authors(clip, keep=()):
+    """--recipe authors: CLIP's embeddings and ln_pre stay as loaded (AUTHORS_FROZEN, but `keep`)."""
+    for name, p in clip.named_parameters():
+        if name in AUTHORS_FROZEN and name not in keep:
+            p.requires_grad_(False)
 
 
 def build_model(cfg):
@@ -76,7 +87,7 @@ def build_model(cfg):
                          f"{clip_config.vision_layers} vision layers of the '{name}' model")
     model = CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=cfg.n_intra, average_directions=cfg.recipe == "authors"), clip)
     if cfg.recipe == "authors":
-        train.freeze_as_authors(model.clip)
+        freeze_as_authors(model.clip)
     return model
 
 

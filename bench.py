@@ -33,6 +33,7 @@ import adapt
 import caption
 import clip_weights
 import data
+import image_store
 import train
 from model import CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 from tokenizer import EOT, tokenize
@@ -204,7 +205,7 @@ def train_pairs_and_store(args):
     splits = [data.read_split(args.data, args.data_root, split) for split in ("train", "val", "test")]
     size = adapt.SMALL_CLIP.image_size if args.preset == "small" else 224
     try:
-        return splits[0], size, data.ImageStore([p for pairs in splits for p in pairs], size, args.data_root)
+        return splits[0], size, image_store.ImageStore([p for pairs in splits for p in pairs], size, args.data_root)
     except data.InputError as e:
         if not str(e).endswith("pass --no-cache"):  # an unreadable image, say
             raise

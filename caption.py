@@ -22,7 +22,7 @@ import data
 import evaluate
 import figures
 import train
-from adapt import AdaptConfig, build_model
+from adapt import AdaptConfig, build_model, freeze_as_authors
 from data import InputError
 from model import CLIP4IDC, IGNORE, Captioner, CaptionerConfig, next_tokens
 
@@ -54,7 +54,7 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     patience: int = 11  # stop after this many epochs without a better val CIDEr, as the authors' loop (0: never)
     seed: int = 42  # model initialisation, data order, caption choice, dropout
     max_steps: int = 0  # stop after this many steps (0: all epochs)
-    cache: bool = False  # decode and resize every image once, into a uint8 file beside the data (data.ImageStore)
+    cache: bool = False  # decode and resize every image once, into a uint8 file beside the data (image_store.ImageStore)
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"  # mixed precision; auto: bf16 (else fp16) on CUDA, off on CPU
     compile: bool = False  # torch.compile the training step
     device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)
@@ -101,7 +101,7 @@ def build_captioner(cfg, device):
     except ValueError as e:  # flags the pair encoder cannot take, such as a --max_len beyond its text positions
         raise InputError(str(e)) from None
     if cfg.recipe == "authors":  # on Spot-the-Diff their stage 2 trains the token embedding, at CLIP's rate
-        train.freeze_as_authors(encoder.clip, keep=("token_embedding.weight",) if cfg.data == "spot" else ())
+        freeze_as_authors(encoder.clip, keep=("token_embedding.weight",) if cfg.data == "spot" else ())
     return captioner
 
 

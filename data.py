@@ -1,6 +1,6 @@
 """Data for CLIP4IDC: readers for the three benchmarks in their published layouts, CLIP4IDC's
-preprocessing, the image store, and the datasets of both stages, their order and their loaders
-(captions are tokenized by tokenizer.py).
+preprocessing, and the datasets of both stages, their order and their loaders (captions are tokenized
+by tokenizer.py; with --cache, images are read from image_store.py's file instead).
 
 The synthetic CLEVR-Change of the offline default is written by synth.py in CLEVR-Change's layout,
 and read here like the real one.
@@ -8,7 +8,6 @@ and read here like the real one.
 import argparse
 import contextlib
 import errno
-import functools
 import json
 import logging
 import multiprocessing
@@ -18,7 +17,6 @@ import shutil
 import signal
 import socket
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +126,13 @@ def strings(value):
     return isinstance(value, list) and all(isinstance(s, str) for s in value)
 
 
+def file_id(value, path, where):
+    """An id as the string that names its files and json keys: a string or an integer (not JSON's true)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InputError(f"{path}: {where} {json.dumps(value):.80}; expected a string or an integer")
+    return str(value)
+
+
 def caption_list(value, path, where):
     """`value` if it is a non-empty list of caption strings: a bare string would become one caption a letter.
     A lone surrogate ("\\ud800" is valid JSON) is refused here, not when the tokenizer meets it while scoring."""
@@ -183,10 +188,8 @@ def read_spot(root, split):
     images = root / "resized_images" if (root / "resized_images").is_dir() else root / "images"
     sentences = {}  # one img_id may be annotated in several entries: merge them into one pair
     for n, entry in enumerate(entries):
-        if isinstance(entry["img_id"], bool) or not isinstance(entry["img_id"], (str, int)):  # it names the images
-            raise InputError(f"{path}: entry {n}: img_id {json.dumps(entry['img_id']):.80}; expected a string or an "
-                             "integer")
-        sentences.setdefault(str(entry["img_id"]), []).extend(caption_list(entry["sentences"], path, f"entry {n}"))
+        img_id = file_id(entry["img_id"], path, f"entry {n}: img_id")
+        sentences.setdefault(img_id, []).extend(caption_list(entry["sentences"], path, f"entry {n}"))
     return [Pair(f"{i}.png", images / f"{i}.png", images / f"{i}_2.png", sents) for i, sents in sentences.items()]
 
 
@@ -194,9 +197,8 @@ def read_ier(root, split):
     split = {"val": "valid"}.get(split, split)
     entries, path = read_json("ier", root / f"{split}.json", root / "dataset" / "adobe" / f"{split}.json",
                               keys=("img0", "img1", "sents", "uid"))
-    for n, e in enumerate(entries):  # ids become file names and json keys; images are names in images/
-        if isinstance(e["uid"], bool) or not isinstance(e["uid"], (str, int)):
-            raise InputError(f"{path}: entry {n}: uid {json.dumps(e['uid']):.80}; expected a string or an integer")
+    for n, e in enumerate(entries):  # images are names in images/
+        file_id(e["uid"], path, f"entry {n}: uid")
         if not all(isinstance(e[k], str) for k in ("img0", "img1")):
             raise InputError(f"{path}: entry {n} (uid {e['uid']!r}): img0 {json.dumps(e['img0']):.80}, img1 "
                              f"{json.dumps(e['img1']):.80}; expected image file names")
@@ -290,45 +292,6 @@ def format_eta(seconds):
     return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{s:02d}s"
 
 
-class ImageStore:
-    """Every image of `pairs` resized once to `size` px, kept as uint8 in one memory-mapped file
-    `<folder>/store_<size>px.u8` (150 KB an image at 224 px) and called like `read_pixels`, in 0.01 ms where
-    decoding a 480 x 320 PNG takes 1.7; memory does not grow with the dataset. Its index (`.json`) holds each
-    file's size and modification time: another image list or size, a replaced file, an unreadable index or a
-    store of another length (a copy cut short, a full disk) rebuilds it."""
-
-    def __init__(self, pairs, size, folder):
-        files = sorted({os.path.abspath(q) for p in pairs for q in (p.before, p.after, p.distractor) if q})
-        self.path, self.size, self.pixels = Path(folder) / f"store_{size}px.u8", size, None
-        self.row = {f: i for i, f in enumerate(files)}
-        index_path = self.path.with_suffix(".json")
-        index = {"size": size, "files": [[f, *stamp(f)] for f in files]}
-        try:  # a missing index, or one that is not JSON (a ValueError), rebuilds the store
-            same = json.loads(index_path.read_text()) == index
-        except (OSError, ValueError):
-            same = False
-        if not (same and self.path.is_file() and self.path.stat().st_size == len(files) * 3 * size * size):
-            try:
-                for stale in (index_path, self.path):  # the index first, as it vouches for the pixels; then their space
-                    stale.unlink(missing_ok=True)
-            except OSError as e:  # a read-only dataset
-                raise InputError(f"--cache: cannot write the image store {self.path} ({e.strerror}): pass --no-cache") from None
-            build_store(self.path, files, size)
-            write_file(index_path, json.dumps(index))
-
-    def __call__(self, path, size):
-        if size != self.size:
-            raise InputError(f"{self.path} holds {self.size} px images, not {size} px")
-        if self.pixels is None:  # mapped in each process that reads, DataLoader workers included
-            self.pixels = np.memmap(self.path, np.uint8, "r", shape=(len(self.row), 3, size, size))
-        return torch.from_numpy(np.array(self.pixels[self.row[os.path.abspath(path)]]))
-
-
-def stamp(path):  # what replacing the file changes
-    info = os.stat(path)
-    return info.st_size, info.st_mtime_ns
-
-
 def scratch(path, suffix):
     """`<path>.<host>-<pid>.<suffix>`: the name `path` is written under, then renamed when whole. Two runs
     may write at once (the last one wins). What this host's writers that no longer run left under such
@@ -384,45 +347,9 @@ def write_file(path, content):
         raise InputError(f"{path}: cannot write it ({e.strerror})") from None
 
 
-def build_store(path, files, size):
-    """Decode and resize `files` on every core into the uint8 file `path`, written whole or not at all."""
-    tmp, start = scratch(path, "tmp"), time.time()
-    try:
-        claim_space(tmp, len(files) * 3 * size * size, path)
-        pixels = np.memmap(tmp, np.uint8, "r+", shape=(len(files), 3, size, size))
-        with worker_pool(min(cores(), 1 + len(files) // 64)) as pool:
-            for i, image in enumerate(pool.imap(functools.partial(read_array, size=size), files, chunksize=16), 1):
-                pixels[i - 1] = image
-                if i % 2000 == 0 or i == len(files):
-                    rate = i / (time.time() - start)
-                    log.info("image store %s: %d/%d images, %.0f/s, eta %s", path, i, len(files), rate,
-                             format_eta((len(files) - i) / rate))
-        pixels.flush()
-        del pixels
-        os.replace(tmp, path)
-    finally:  # a failed build (an unreadable image, Ctrl-C) leaves no half file: tens of GB at full scale
-        tmp.unlink(missing_ok=True)
-
-
 def worker_pool(processes):
     """Processes that leave Ctrl-C to the parent, which ends them: else each prints a traceback, and the pool may hang."""
     return multiprocessing.Pool(processes, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
-
-
-def claim_space(tmp, nbytes, path):
-    """Create `tmp` with its `nbytes` allocated: a full disk is then one line here, not SIGBUS amid a memory map."""
-    try:
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.truncate(nbytes)
-            if nbytes and hasattr(os, "posix_fallocate"):  # not on macOS: the file stays sparse there
-                os.posix_fallocate(f.fileno(), 0, nbytes)
-    except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL) and tmp.is_file():  # no allocating ahead here: stays sparse
-            return
-        size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
-        room = "make room there, or " if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        raise InputError(f"--cache: cannot write the image store {path} of {size} ({e.strerror}): {room}pass --no-cache") from None
 
 
 def sample_rng(seed, epoch, index):
@@ -435,7 +362,7 @@ class AdaptDataset(torch.utils.data.Dataset):
 
     On CLEVR-Change the before image is the distractor with probability 0.5 and the caption stays,
     so the pair encoder learns to tell a scene change from a change of viewpoint or light. Images
-    are uint8; `store` (an ImageStore) serves them instead of the files.
+    are uint8; `store` (an image_store.ImageStore) serves them instead of the files.
     """
 
     def __init__(self, pairs, image_size, context_length=32, seed=42, store=None):

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import clip_weights
 import data
+import image_store
 import synth
 from data import InputError
 from model import distributed
@@ -53,10 +54,6 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
 RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
                "out_dir", "patience", "clip", "init_from")
 RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")  # what a run writes
-# The CLIP parameters that the authors' scripts freeze in both stages (their --freeze_layer_num 0):
-# the image tower's patch, class and position embeddings and ln_pre, the text tower's embeddings.
-AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre.weight",
-                  "visual.ln_pre.bias", "positional_embedding", "token_embedding.weight")
 
 
 # ---- Flags, run folder, processes, device and precision -----------------------------------------
@@ -305,7 +302,8 @@ def prepare_data(cfg, image_size, samples=len):
         raise InputError(f"--resume: {last} trained on {saved} samples, the data now holds {now}: resume on the "
                          "same data")
     require_batch(cfg.batch_size, now)  # before any image is stored
-    store = data.ImageStore([p for s in splits.values() for p in s], image_size, cfg.data_root) if cfg.cache else None
+    pairs = [p for s in splits.values() for p in s]
+    store = image_store.ImageStore(pairs, image_size, cfg.data_root) if cfg.cache else None
     if rank() == 0:
         barrier()
     return splits, store
@@ -317,13 +315,6 @@ def require_batch(batch_size, samples):
 
 
 # ---- Optimiser and schedule ---------------------------------------------------------------------
-def freeze_as_authors(clip, keep=()):
-    """--recipe authors: CLIP's embeddings and ln_pre stay as loaded (AUTHORS_FROZEN, but `keep`)."""
-    for name, p in clip.named_parameters():
-        if name in AUTHORS_FROZEN and name not in keep:
-            p.requires_grad_(False)
-
-
 def make_optimizer(model, new_names, cfg):
     """AdamW with two learning rates (new parameters vs CLIP's). Weight decay applies to matrices
     (embeddings included) but not to biases, LayerNorm gains or single vectors such as e1 and e2.
@@ -447,15 +438,14 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
         if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():
             raise diverged("the weights are not finite")
 
-    def checkpoint():
-        require_finite()
+    def checkpoint():  # of weights that require_finite passed
         rngs = gather_objects(rng_state(device))  # every process's dropout stream
         if rank() == 0:
             save(dict(**{k: v.state_dict() for k, v in run.items() if v is not None}, state=state, rng=rngs, **saved),
                  "last.pt")
 
     def end_of_epoch(epoch):
-        require_finite()  # else a diverged model's score could make it best.pt
+        require_finite()  # before validating: else a diverged model's score could make it best.pt
         score, metrics = gather_objects(validate() if rank() == 0 else None)[0]  # every process stops together
         state["history"].append(dict(epoch=epoch, step=state["step"], score=score, val=metrics))
         print(f"epoch {epoch} val score {score:.2f} (best {max(score, state['best']):.2f})", flush=True)
@@ -503,6 +493,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                 # resumes from before them and validates again.
                 validates_next = state["step"] % steps_per_epoch == 0 or state["step"] == total
                 if state["step"] % cfg.save_every == 0 and not validates_next:
+                    require_finite()
                     checkpoint()
             end_of_epoch(epoch + 1)
     return state

@@ -28,7 +28,7 @@ def small_encoder(recipe):
 
 def test_stage_1_freezes_what_their_script_freezes():
     assert frozen(small_encoder("paper")) == set()
-    assert frozen(small_encoder("authors")) == {"clip." + name for name in train.AUTHORS_FROZEN}
+    assert frozen(small_encoder("authors")) == {"clip." + name for name in adapt.AUTHORS_FROZEN}
     assert frozen(small_encoder("authors")) == set(IO["s1_frozen_params"])  # as their freezing loop chose
 
 
@@ -40,7 +40,7 @@ def test_stage_2_freezes_per_dataset_and_their_word_embeddings_move_at_clips_rat
     captioner = caption.build_captioner(cfg, "cpu")
     text_tower = {"encoder.clip." + n for n, _ in captioner.encoder.clip.named_parameters()
                   if not n.startswith("visual.") and n not in ("token_embedding.weight", "positional_embedding")}
-    authors = {"encoder.clip." + name for name in train.AUTHORS_FROZEN}
+    authors = {"encoder.clip." + name for name in adapt.AUTHORS_FROZEN}
     assert frozen(captioner) == (authors | text_tower) - trains  # the rest of the text tower: frozen in both recipes
     assert "encoder.clip.token_embedding.weight" not in caption.new_parameter_names(captioner, cfg)
     paper_cfg = caption.CaptionConfig(**{**vars(cfg), "recipe": "paper"})
@@ -104,7 +104,7 @@ def table_row(setting):
 
 def test_readme_table_says_what_the_code_does():
     frozen_row = table_row("frozen CLIP parameters, both stages").split("|")[3]
-    assert set(re.findall(r"`([\w.]+)`", frozen_row)) == set(train.AUTHORS_FROZEN)
+    assert set(re.findall(r"`([\w.]+)`", frozen_row)) == set(adapt.AUTHORS_FROZEN)
     for stage, config in ((adapt, adapt.AdaptConfig), (caption, caption.CaptionConfig)):
         for preset in stage.AUTHORS_DEFAULTS.values():
             for flag, value in preset.items():

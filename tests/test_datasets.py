@@ -13,6 +13,7 @@ from PIL import Image
 from torchvision import transforms
 
 import data
+import image_store
 import synth
 import tokenizer
 from tiny import tiny_clip_config
@@ -70,19 +71,19 @@ def store_files(folder):
 
 def test_image_store_equals_the_files_and_follows_them(tmp_path):
     pairs = write_clevr(tmp_path / "d")
-    store = data.ImageStore(pairs[:2], 32, tmp_path / "s")
+    store = image_store.ImageStore(pairs[:2], 32, tmp_path / "s")
     assert store_files(tmp_path / "s") == ["store_32px.json", "store_32px.u8"]  # no temporary file left
     assert (tmp_path / "s" / "store_32px.u8").stat().st_size == 6 * 3 * 32 * 32
     for p in pairs[:2]:
         for path in (p.before, p.after, p.distractor):
             assert torch.equal(store(path, 32), data.read_pixels(path, 32))
     stamp = (tmp_path / "s" / "store_32px.u8").stat().st_mtime_ns
-    data.ImageStore(pairs[:2], 32, tmp_path / "s")
+    image_store.ImageStore(pairs[:2], 32, tmp_path / "s")
     assert (tmp_path / "s" / "store_32px.u8").stat().st_mtime_ns == stamp  # read back, not rebuilt
     assert (tmp_path / "s" / "store_32px.u8").stat().st_size == 6 * 3 * 32 * 32
-    assert len(data.ImageStore(pairs, 32, tmp_path / "s").row) == 12  # other pairs: rebuilt
+    assert len(image_store.ImageStore(pairs, 32, tmp_path / "s").row) == 12  # other pairs: rebuilt
     assert (tmp_path / "s" / "store_32px.u8").stat().st_size == 12 * 3 * 32 * 32
-    store = data.ImageStore(pairs, 16, tmp_path / "s")
+    store = image_store.ImageStore(pairs, 16, tmp_path / "s")
     assert torch.equal(store(pairs[0].after, 16), data.read_pixels(pairs[0].after, 16))  # other size: its own file
     with pytest.raises(ValueError, match="holds 16 px images, not 32 px"):
         data.AdaptDataset(pairs, 32, store=store)[(0, 0)]
@@ -91,12 +92,12 @@ def test_image_store_equals_the_files_and_follows_them(tmp_path):
 def test_image_store_serves_a_replaced_file_anew(tmp_path):
     pairs = write_clevr(tmp_path / "d")
     path = pairs[1].after
-    assert colour_of(data.ImageStore(pairs, 16, tmp_path / "s")(path, 16)) == "green"
+    assert colour_of(image_store.ImageStore(pairs, 16, tmp_path / "s")(path, 16)) == "green"
     stat = os.stat(path)
     Image.new("RGB", (30, 20), BLUE).save(path)  # same path and byte size, modified 1 ns later
     assert os.stat(path).st_size == stat.st_size
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    assert colour_of(data.ImageStore(pairs, 16, tmp_path / "s")(path, 16)) == "blue"
+    assert colour_of(image_store.ImageStore(pairs, 16, tmp_path / "s")(path, 16)) == "blue"
 
 
 def test_what_killed_writers_left_is_removed_by_the_next_one(tmp_path):
@@ -108,7 +109,7 @@ def test_what_killed_writers_left_is_removed_by_the_next_one(tmp_path):
         f"{host}-{ended.pid}", f"{host}-{os.getppid()}", f"{host}x-{ended.pid}", f"{host}-2-{ended.pid}"))
     for leftover in (killed, live, *elsewhere):
         leftover.write_bytes(b"half an image store")
-    data.ImageStore(write_clevr(tmp_path / "d"), 16, folder)
+    image_store.ImageStore(write_clevr(tmp_path / "d"), 16, folder)
     assert not killed.exists() and live.exists() and all(f.exists() for f in elsewhere)  # their writers may run
     drawing = tmp_path / f"synth.{host}-{ended.pid}.partial"
     (drawing / "images").mkdir(parents=True)
@@ -127,13 +128,13 @@ def fails_on_one_image(path, size):  # at module level: the store's worker proce
 
 def test_an_interrupted_rebuild_leaves_no_index_to_trust(tmp_path, monkeypatch):
     pairs = write_clevr(tmp_path / "d")
-    data.ImageStore(pairs[:2], 16, tmp_path / "s")
+    image_store.ImageStore(pairs[:2], 16, tmp_path / "s")
     monkeypatch.setattr(data, "read_array", fails_on_one_image)
     with pytest.raises(OSError, match="disk full"):
-        data.ImageStore(pairs, 16, tmp_path / "s")  # other pairs: a rebuild, which fails half way
+        image_store.ImageStore(pairs, 16, tmp_path / "s")  # other pairs: a rebuild, which fails half way
     assert not (tmp_path / "s" / "store_16px.json").exists()  # the old index no longer vouches for the file
     monkeypatch.undo()
-    store = data.ImageStore(pairs, 16, tmp_path / "s")
+    store = image_store.ImageStore(pairs, 16, tmp_path / "s")
     assert all(torch.equal(store(p.after, 16), data.read_pixels(p.after, 16)) for p in pairs)
 
 
@@ -146,12 +147,12 @@ def test_a_store_the_disk_has_no_room_for_is_refused_before_any_image_is_read(tm
     monkeypatch.setattr(os, "posix_fallocate", cannot, raising=False)
     megabytes = len({q for p in pairs for q in (p.before, p.after, p.distractor)}) * 3 * 224 * 224 / 1e6
     if error == errno.EOPNOTSUPP:
-        assert torch.equal(data.ImageStore(pairs, 224, tmp_path / "s")(pairs[0].after, 224),
+        assert torch.equal(image_store.ImageStore(pairs, 224, tmp_path / "s")(pairs[0].after, 224),
                            data.read_pixels(pairs[0].after, 224))
         return
     with pytest.raises(data.InputError, match=rf"--cache: cannot write the image store .*store_224px.u8 of {megabytes:.1f} "
                                               r"MB \(No space left on device\): make room there, or pass --no-cache"):
-        data.ImageStore(pairs, 224, tmp_path / "s")
+        image_store.ImageStore(pairs, 224, tmp_path / "s")
     assert list((tmp_path / "s").iterdir()) == []
 
 
@@ -214,5 +215,5 @@ def test_workers_and_cache_do_not_change_batches(tmp_path):
         return list(torch.utils.data.DataLoader(ds, batch_size=5, sampler=keys, num_workers=workers))
 
     reference = batches(0)
-    for other in (batches(2), batches(2, data.ImageStore(pairs, 16, tmp_path / "s"))):
+    for other in (batches(2), batches(2, image_store.ImageStore(pairs, 16, tmp_path / "s"))):
         assert all(torch.equal(x, y) for a, b in zip(reference, other) for x, y in zip(a, b))

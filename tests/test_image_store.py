@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 import data
+import image_store
 from test_data_readers import write_clevr
 
 
@@ -27,7 +28,7 @@ def test_a_failed_build_leaves_no_temporary_file(tmp_path):
     bad.write_bytes(bad.read_bytes()[:40])  # a truncated PNG
     (tmp_path / "s").mkdir()
     with pytest.raises(data.InputError, match=f"^{bad}: cannot read image"):
-        data.ImageStore(pairs, 16, tmp_path / "s")
+        image_store.ImageStore(pairs, 16, tmp_path / "s")
     assert list((tmp_path / "s").iterdir()) == []
 
 
@@ -35,7 +36,7 @@ def test_a_failed_build_leaves_no_temporary_file(tmp_path):
 def test_a_damaged_store_is_rebuilt(tmp_path, damage):
     write_clevr(tmp_path / "d")
     pairs = data.read_split("clevr", tmp_path / "d", "train")
-    data.ImageStore(pairs, 16, tmp_path / "s")
+    image_store.ImageStore(pairs, 16, tmp_path / "s")
     store, index = tmp_path / "s" / "store_16px.u8", tmp_path / "s" / "store_16px.json"
     whole = store.read_bytes()
     if damage == "truncated store":
@@ -44,7 +45,7 @@ def test_a_damaged_store_is_rebuilt(tmp_path, damage):
         store.write_bytes(whole + bytes(100))
     else:
         index.write_bytes(b'{"size": 16, "files": [' if damage == "index not JSON" else b"\xff\xfe{}")
-    rebuilt = data.ImageStore(pairs, 16, tmp_path / "s")
+    rebuilt = image_store.ImageStore(pairs, 16, tmp_path / "s")
     assert store.read_bytes() == whole and serves_the_files(rebuilt, pairs)
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["store_16px.json", "store_16px.u8"]
 
@@ -59,7 +60,7 @@ def test_a_store_that_cannot_be_written_beside_read_only_data_says_to_pass_no_ca
     store = tmp_path / "d" / "store_16px.u8"
     with pytest.raises(data.InputError, match=re.escape(f"--cache: cannot write the image store {store} (Read-only "
                                                         "file system): pass --no-cache")):
-        data.ImageStore(pairs, 16, tmp_path / "d")
+        image_store.ImageStore(pairs, 16, tmp_path / "d")
 
 
 def test_the_store_is_built_by_as_many_processes_as_this_process_has_cores(tmp_path, monkeypatch):
@@ -71,5 +72,5 @@ def test_the_store_is_built_by_as_many_processes_as_this_process_has_cores(tmp_p
     monkeypatch.setattr(data.os, "cpu_count", lambda: 64)
     pools = []
     monkeypatch.setattr(data, "worker_pool", lambda n, pool=data.worker_pool: pools.append(n) or pool(n))
-    data.build_store(tmp_path / "store.u8", files, 8)
+    image_store.build_store(tmp_path / "store.u8", files, 8)
     assert pools == [1] and (tmp_path / "store.u8").stat().st_size == 130 * 3 * 8 * 8
