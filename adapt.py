@@ -79,6 +79,8 @@ def freeze_as_authors(clip, keep=()):
 def build_model(cfg):
     if cfg.preset == "small" and cfg.init == "openai":
         raise InputError("--preset small trains from scratch: add --init random, or use --preset vit-b/32")
+    if cfg.init == "random" and cfg.clip != AdaptConfig.clip:
+        raise InputError(f"--clip {cfg.clip}: read only with --init openai, and this run starts from random weights")
     clip = clip_weights.load(cfg.clip) if cfg.init == "openai" else None
     clip_config = clip.config if clip is not None else SMALL_CLIP if cfg.preset == "small" else CLIPConfig()
     if cfg.n_intra + cfg.n_inter != clip_config.vision_layers:

@@ -260,10 +260,14 @@ def main(argv=None):
     for name in ("images", "texts", "repeats", "pairs", "batch", "steps", "fit_steps", "seconds", "peak_tflops"):
         if (value := getattr(args, name)) is not None and not 0 < value < math.inf:
             parser.error(f"--{name} {value}: expected a finite value above 0")
+    if args.workers < -1:
+        parser.error(f"--workers {args.workers}: expected -1 (from the machine's cores) or 0 or more")
     if min(args.workers_list) < 0:
         parser.error(f"--workers_list {min(args.workers_list)}: expected worker counts of 0 or more")
     if args.what == "loader" and not args.data_root:
         parser.error("loader times a dataset's loading: give its folder as --data_root")
+    if args.data_root and args.what not in ("train", "loader"):
+        parser.error(f"--data_root: read by the train and loader checks, not by {args.what}")
     if args.data_root and not Path(args.data_root).is_dir():
         parser.error(f"--data_root {args.data_root}: expected a dataset folder")
     args.batch = args.batch or (128 if args.stage == 1 else 16)

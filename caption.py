@@ -89,6 +89,8 @@ def build_captioner(cfg, device):
         encoder = build_model(AdaptConfig(init="openai", clip=cfg.clip, n_intra=cfg.n_intra, n_inter=cfg.n_inter))
     else:
         path = cfg.init_from or f"out/adapt-{cfg.data}/best.pt"
+        if cfg.clip != CaptionConfig.clip:
+            raise InputError(f"--clip {cfg.clip}: read only with --init_from openai, and the pair encoder comes from {path}")
         if not Path(path).exists():
             raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run `python adapt.py --data {cfg.data}` "
                                     "first, or pass --init_from PATH (or --init_from openai to skip adaptation)")
@@ -96,6 +98,10 @@ def build_captioner(cfg, device):
         if not isinstance(encoder, CLIP4IDC):
             raise InputError(f"{path} holds a captioner: --init_from takes a stage-1 checkpoint (adapt.py's best.pt, "
                              "or the authors' pretrained pytorch_model.bin)")
+        for flag in ("n_intra", "n_inter"):  # ours record both; the authors' files take them from the flags
+            given, held = getattr(cfg, flag), getattr(encoder.config, flag)
+            if given not in (getattr(CaptionConfig, flag), held):
+                raise InputError(f"--{flag} {given}: the pair encoder in {path} has {flag} {held}; expected that or no flag")
     try:
         captioner = Captioner(encoder, captioner_config(cfg)).to(device)
     except ValueError as e:  # flags the pair encoder cannot take, such as a --max_len beyond its text positions

@@ -59,9 +59,9 @@ RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "exa
 # ---- Flags, run folder, processes, device and precision -----------------------------------------
 def main(run, argv=None):
     """Run a command line's `run(argv)`: bad input (InputError, a missing or unreadable file), a full or read-only
-    disk or a failed download ends in one line on stderr and exit status 2, as argparse does, Ctrl-C in one line
-    and the signal; any other failure keeps its traceback."""
-    status, name = 0, Path(sys.argv[0]).name
+    disk, memory that runs out or a failed download ends in one line on stderr and exit status 2, as argparse
+    does, Ctrl-C in one line and the signal; any other failure keeps its traceback."""
+    status, name, message = 0, Path(sys.argv[0]).name, None
     try:
         run(argv)
     except (InputError, OSError) as e:
@@ -71,10 +71,16 @@ def main(run, argv=None):
         message = str(e)
         if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
             message = message.splitlines()[-1].split(": ", 1)[-1]
-        print(f"{name}: error: {message}", file=sys.stderr)
-        status = 2
+    except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors (OutOfMemoryError on CUDA)
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in str(e):
+            raise
+        detail = clip_weights.first_line(e).split("DefaultCPUAllocator: ")[-1]  # after the C++ assertion
+        message = f"out of memory: {detail}; a smaller --batch_size or model needs less"
     except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
         status = data.end_interrupted(name)
+    if message is not None:
+        print(f"{name}: error: {message}", file=sys.stderr)
+        status = 2
     if distributed():
         if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
             barrier()
@@ -184,7 +190,8 @@ def check_run_folder(cfg):
                          "score its best.pt with evaluate.py, or pass --overwrite to train it anew")
     if cfg.resume:
         saved = clip_weights.read_checkpoint(out / "last.pt", mmap=True)  # no tensor is read
-        if not (isinstance(saved, dict) and {"config", "state", "rng", "model", "model_config", "optimizer"} <= set(saved)):
+        keys = {"config", "state", "rng", "model", "model_config", "optimizer"}
+        if not (isinstance(saved, dict) and keys <= set(saved) and isinstance(saved["config"], dict)):
             raise InputError(f"--resume: {out / 'last.pt'} is not a last.pt of adapt.py or caption.py")
         saved = saved["config"]
         if ("init_from" in saved) != hasattr(cfg, "init_from"):  # a stage-2 setting
@@ -368,6 +375,8 @@ def resume(path, run, shape):
     check_run_folder compared); return the loop's state."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     if changed := differences(ckpt["model_config"], shape):  # the same weights fit another layer split
+        if words := changed.get("captioner.vocab"):  # --vocab train: token ids of other captions, too many to print
+            changed["captioner.vocab"] = tuple(f"{len(ids)} words" for ids in words)
         raise InputError(f"--resume: {path} holds a model of another shape than the one built now, (saved, now): "
                          f"{changed}; resume as the run started")
     for name, obj in run.items():

@@ -276,6 +276,8 @@ def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
     (["train", "--modes", "eagr"], "argument --modes: invalid choice: 'eagr'"),
     (["train", "--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
     (["loader", "--data_root", ".", "--workers_list", "-2"], "--workers_list -2: expected worker counts of 0 or more"),
+    (["train", "--workers", "-5"], "--workers -5: expected -1 (from the machine's cores) or 0 or more"),
+    (["decode", "--data_root", "."], "--data_root: read by the train and loader checks, not by decode"),
 ])
 def test_bench_py_refuses_bad_flags_in_one_line(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
@@ -296,7 +298,41 @@ def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_
     assert error_of(capsys, caption.main, *SMALL, *at, "--out_dir", tmp_path / "c", "--init_from",
                     "openai", "--lr_clip", 0).endswith("--lr_clip 0 with --init_from openai would leave e1, e2 and p "
                                                        "as drawn: freeze a pair encoder that stage 1 trained")
+    stage_2 = [*SMALL, *at, "--out_dir", tmp_path / "c", "--init_from", stage_1 / "best.pt"]
+    assert error_of(capsys, caption.main, *stage_2, "--ffn", 10**11).endswith(  # 25 TB of weights
+        "out of memory: can't allocate memory: you tried to allocate 25600000000000 bytes. Error code 12 (Cannot "
+        "allocate memory); a smaller --batch_size or model needs less")
     assert snapshot(tmp_path) == earlier and [p.name for p in tmp_path.iterdir()] == ["data"]  # no image store
+
+
+def test_a_flag_the_run_would_not_read_is_refused(root, stage_1, tmp_path, capsys):
+    at, best = ["--data_root", root, "--out_dir", tmp_path / "run"], stage_1 / "best.pt"
+    assert error_of(capsys, adapt.main, *SMALL, *at, "--clip", "ViT-L/14").endswith(
+        "--clip ViT-L/14: read only with --init openai, and this run starts from random weights")
+    assert error_of(capsys, caption.main, *SMALL, *at, "--init_from", best, "--clip", "ViT-L/14").endswith(
+        f"--clip ViT-L/14: read only with --init_from openai, and the pair encoder comes from {best}")
+    for flag, value, held in (("n_intra", 3, 2), ("n_inter", 1, 2)):  # the stage-1 run: 2 + 2 layers
+        assert error_of(capsys, caption.main, *SMALL, *at, "--init_from", best, f"--{flag}", value).endswith(
+            f"--{flag} {value}: the pair encoder in {best} has {flag} {held}; expected that or no flag")
+    assert not (tmp_path / "run").exists()
+    train.main(caption.main, [str(a) for a in (*SMALL, *at, "--init_from", best, "--n_intra", 2, "--n_inter", 2)])
+    assert (tmp_path / "run" / "metrics.json").is_file()
+
+
+def test_memory_that_runs_out_is_one_line_and_other_runtime_errors_keep_their_traceback(capsys):
+    def cuda_oom(argv):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                     "of 79.19 GiB of which 1.06 GiB is free. See documentation for Memory "
+                                     "Management (https://pytorch.org/docs/stable/notes/cuda.html)")
+    assert error_of(capsys, cuda_oom).endswith("error: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. "
+                                               "GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. See "
+                                               "documentation for Memory Management (https://pytorch.org/docs/stable/"
+                                               "notes/cuda.html); a smaller --batch_size or model needs less")
+
+    def bug(argv):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    with pytest.raises(RuntimeError, match="mat1 and mat2"):
+        train.main(bug, [])
 
 
 def test_a_failed_download_is_one_line(root, tmp_path, capsys, monkeypatch):
@@ -354,6 +390,8 @@ def test_resume_refuses_changed_settings(root, unfinished, capsys, flags, change
     (lambda last, best: last.write_bytes(b""), "cannot read it as a checkpoint"),
     (lambda last, best: torch.save({"config": {}}, last), "is not a last.pt of adapt.py or caption.py"),
     (lambda last, best: last.write_bytes(best.read_bytes()), "is not a last.pt of adapt.py or caption.py"),
+    (lambda last, best: torch.save({**torch.load(last, weights_only=True), "config": "seed=7"}, last),
+     "is not a last.pt of adapt.py or caption.py"),
 ])
 def test_resume_from_a_damaged_last_pt_is_refused(root, stage_1, tmp_path, capsys, damage, message):
     out = tmp_path / "run"
@@ -426,6 +464,22 @@ def test_resume_into_a_model_of_another_shape_is_refused(root, stage_1, tmp_path
     error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out, "--resume")
     assert error.endswith(f"--resume: {out / 'last.pt'} holds a model of another shape than the one built now, "
                           "(saved, now): {'encoder.n_intra': (1, 2)}; resume as the run started")
+    assert snapshot(out) == before
+
+
+def test_resume_with_other_words_to_write_counts_them(root, stage_1, tmp_path, capsys):
+    out = tmp_path / "run"
+    flags = [*SMALL, "--data_root", root, "--init_from", stage_1 / "best.pt", "--out_dir", out]
+    train.main(caption.main, [str(f) for f in flags])
+    (out / "metrics.json").unlink()  # as if killed while it scored the test split
+    last = torch.load(out / "last.pt", weights_only=True)
+    words = last["model_config"]["captioner"]["vocab"]
+    last["model_config"]["captioner"]["vocab"] = words[:-1]  # as when --data_root now holds other captions
+    torch.save(last, out / "last.pt")
+    before, _ = snapshot(out), capsys.readouterr()
+    error = error_of(capsys, caption.main, *flags, "--resume")
+    assert error.endswith(f"(saved, now): {{'captioner.vocab': ('{len(words) - 1} words', '{len(words)} words')}}; "
+                          "resume as the run started")
     assert snapshot(out) == before
 
 
