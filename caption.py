@@ -101,7 +101,8 @@ def build_captioner(cfg, device):
         for flag in ("n_intra", "n_inter"):  # ours record both; the authors' files take them from the flags
             given, held = getattr(cfg, flag), getattr(encoder.config, flag)
             if given not in (getattr(CaptionConfig, flag), held):
-                raise InputError(f"--{flag} {given}: the pair encoder in {path} has {flag} {held}; expected that or no flag")
+                raise InputError(f"--{flag} {given}: the pair encoder in {path} has {flag} {held}; expected that or no "
+                                 "flag (an authors' file is split by --n_intra)")
     try:
         captioner = Captioner(encoder, captioner_config(cfg)).to(device)
     except ValueError as e:  # flags the pair encoder cannot take, such as a --max_len beyond its text positions

@@ -61,26 +61,24 @@ def main(run, argv=None):
     """Run a command line's `run(argv)`: bad input (InputError, a missing or unreadable file), a full or read-only
     disk, memory that runs out or a failed download ends in one line on stderr and exit status 2, as argparse
     does, Ctrl-C in one line and the signal; any other failure keeps its traceback."""
-    status, name, message = 0, Path(sys.argv[0]).name, None
+    status, name = 0, Path(sys.argv[0]).name
     try:
         run(argv)
-    except (InputError, OSError) as e:
+    except (InputError, OSError, MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors
         disk = getattr(e, "errno", None) in data.DISK_ERRNOS  # full or read-only
-        if not (disk or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
+        memory = isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+        if not (disk or memory or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
             raise
         message = str(e)
         if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
             message = message.splitlines()[-1].split(": ", 1)[-1]
-    except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors (OutOfMemoryError on CUDA)
-        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in str(e):
-            raise
-        detail = clip_weights.first_line(e).split("DefaultCPUAllocator: ")[-1]  # after the C++ assertion
-        message = f"out of memory: {detail}; a smaller --batch_size or model needs less"
-    except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
-        status = data.end_interrupted(name)
-    if message is not None:
+        if memory:  # the allocator's words, after its C++ assertion
+            detail = (message.split("DefaultCPUAllocator: ")[-1].splitlines() or [type(e).__name__])[0]
+            message = f"out of memory: {detail}; a smaller batch or model needs less"
         print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
+    except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
+        status = data.end_interrupted(name)
     if distributed():
         if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
             barrier()
@@ -375,8 +373,9 @@ def resume(path, run, shape):
     check_run_folder compared); return the loop's state."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     if changed := differences(ckpt["model_config"], shape):  # the same weights fit another layer split
-        if words := changed.get("captioner.vocab"):  # --vocab train: token ids of other captions, too many to print
-            changed["captioner.vocab"] = tuple(f"{len(ids)} words" for ids in words)
+        if "captioner.vocab" in changed:  # --vocab train: the token ids of the captions' words, too many to print
+            saved, now = (set(ids or ()) for ids in changed["captioner.vocab"])
+            changed["captioner.vocab"] = (f"{len(saved)} words", f"{len(now)} words, {len(now - saved)} of them new")
         raise InputError(f"--resume: {path} holds a model of another shape than the one built now, (saved, now): "
                          f"{changed}; resume as the run started")
     for name, obj in run.items():

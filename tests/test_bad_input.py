@@ -276,8 +276,8 @@ def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
     (["train", "--modes", "eagr"], "argument --modes: invalid choice: 'eagr'"),
     (["train", "--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
     (["loader", "--data_root", ".", "--workers_list", "-2"], "--workers_list -2: expected worker counts of 0 or more"),
-    (["train", "--workers", "-5"], "--workers -5: expected -1 (from the machine's cores) or 0 or more"),
-    (["decode", "--data_root", "."], "--data_root: read by the train and loader checks, not by decode"),
+    (["train", "--workers", "-5", "--steps", "1"], "--workers -5: expected -1 (from the machine's cores) or 0 or more"),
+    (["decode", "--data_root", ".", "--repeats", "1"], "--data_root: read by the train and loader checks, not by decode"),
 ])
 def test_bench_py_refuses_bad_flags_in_one_line(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
@@ -299,9 +299,9 @@ def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_
                     "openai", "--lr_clip", 0).endswith("--lr_clip 0 with --init_from openai would leave e1, e2 and p "
                                                        "as drawn: freeze a pair encoder that stage 1 trained")
     stage_2 = [*SMALL, *at, "--out_dir", tmp_path / "c", "--init_from", stage_1 / "best.pt"]
-    assert error_of(capsys, caption.main, *stage_2, "--ffn", 10**11).endswith(  # 25 TB of weights
-        "out of memory: can't allocate memory: you tried to allocate 25600000000000 bytes. Error code 12 (Cannot "
-        "allocate memory); a smaller --batch_size or model needs less")
+    assert error_of(capsys, caption.main, *stage_2, "--ffn", 10**15).endswith(  # beyond any address space
+        "out of memory: can't allocate memory: you tried to allocate 256000000000000000 bytes. Error code 12 (Cannot "
+        "allocate memory); a smaller batch or model needs less")
     assert snapshot(tmp_path) == earlier and [p.name for p in tmp_path.iterdir()] == ["data"]  # no image store
 
 
@@ -313,7 +313,8 @@ def test_a_flag_the_run_would_not_read_is_refused(root, stage_1, tmp_path, capsy
         f"--clip ViT-L/14: read only with --init_from openai, and the pair encoder comes from {best}")
     for flag, value, held in (("n_intra", 3, 2), ("n_inter", 1, 2)):  # the stage-1 run: 2 + 2 layers
         assert error_of(capsys, caption.main, *SMALL, *at, "--init_from", best, f"--{flag}", value).endswith(
-            f"--{flag} {value}: the pair encoder in {best} has {flag} {held}; expected that or no flag")
+            f"--{flag} {value}: the pair encoder in {best} has {flag} {held}; expected that or no flag (an authors' "
+            "file is split by --n_intra)")
     assert not (tmp_path / "run").exists()
     train.main(caption.main, [str(a) for a in (*SMALL, *at, "--init_from", best, "--n_intra", 2, "--n_inter", 2)])
     assert (tmp_path / "run" / "metrics.json").is_file()
@@ -327,7 +328,19 @@ def test_memory_that_runs_out_is_one_line_and_other_runtime_errors_keep_their_tr
     assert error_of(capsys, cuda_oom).endswith("error: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. "
                                                "GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. See "
                                                "documentation for Memory Management (https://pytorch.org/docs/stable/"
-                                               "notes/cuda.html); a smaller --batch_size or model needs less")
+                                               "notes/cuda.html); a smaller batch or model needs less")
+
+    class Hungry(torch.utils.data.Dataset):
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            raise MemoryError
+
+    def in_a_loader_process(argv):
+        next(iter(torch.utils.data.DataLoader(Hungry(), num_workers=1)))
+    assert error_of(capsys, in_a_loader_process).endswith(
+        "error: out of memory: MemoryError; a smaller batch or model needs less")
 
     def bug(argv):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
@@ -478,7 +491,8 @@ def test_resume_with_other_words_to_write_counts_them(root, stage_1, tmp_path, c
     torch.save(last, out / "last.pt")
     before, _ = snapshot(out), capsys.readouterr()
     error = error_of(capsys, caption.main, *flags, "--resume")
-    assert error.endswith(f"(saved, now): {{'captioner.vocab': ('{len(words) - 1} words', '{len(words)} words')}}; "
+    assert error.endswith(f"(saved, now): {{'captioner.vocab': ('{len(words) - 1} words', '{len(words)} words, 1 of "
+                          "them new')}; "
                           "resume as the run started")
     assert snapshot(out) == before
 
