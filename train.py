@@ -13,6 +13,7 @@ prints, generates data, builds the image store, validates, and writes checkpoint
 """
 import argparse
 import dataclasses
+import errno
 import inspect
 import itertools
 import logging
@@ -66,7 +67,8 @@ def main(run, argv=None):
         run(argv)
     except (InputError, OSError, MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors
         disk = getattr(e, "errno", None) in data.DISK_ERRNOS  # full or read-only
-        memory = isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+        memory = (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or getattr(e, "errno", None) == errno.ENOMEM
+                  or "can't allocate memory" in str(e))  # ENOMEM: also a loader process that cannot be started
         if not (disk or memory or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
             raise
         message = str(e)
@@ -74,7 +76,7 @@ def main(run, argv=None):
             message = message.splitlines()[-1].split(": ", 1)[-1]
         if memory:  # the allocator's words, after its C++ assertion
             detail = (message.split("DefaultCPUAllocator: ")[-1].splitlines() or [type(e).__name__])[0]
-            message = f"out of memory: {detail}; a smaller batch or model needs less"
+            message = f"out of memory: {detail}; a smaller batch or model, or fewer loader workers, needs less"
         print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
     except KeyboardInterrupt:  # a training run continues from its last.pt with --resume

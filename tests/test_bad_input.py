@@ -301,7 +301,7 @@ def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_
     stage_2 = [*SMALL, *at, "--out_dir", tmp_path / "c", "--init_from", stage_1 / "best.pt"]
     assert error_of(capsys, caption.main, *stage_2, "--ffn", 10**15).endswith(  # beyond any address space
         "out of memory: can't allocate memory: you tried to allocate 256000000000000000 bytes. Error code 12 (Cannot "
-        "allocate memory); a smaller batch or model needs less")
+        "allocate memory); a smaller batch or model, or fewer loader workers, needs less")
     assert snapshot(tmp_path) == earlier and [p.name for p in tmp_path.iterdir()] == ["data"]  # no image store
 
 
@@ -328,7 +328,8 @@ def test_memory_that_runs_out_is_one_line_and_other_runtime_errors_keep_their_tr
     assert error_of(capsys, cuda_oom).endswith("error: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. "
                                                "GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. See "
                                                "documentation for Memory Management (https://pytorch.org/docs/stable/"
-                                               "notes/cuda.html); a smaller batch or model needs less")
+                                               "notes/cuda.html); a smaller batch or model, or fewer loader workers, "
+                                               "needs less")
 
     class Hungry(torch.utils.data.Dataset):
         def __len__(self):
@@ -340,7 +341,12 @@ def test_memory_that_runs_out_is_one_line_and_other_runtime_errors_keep_their_tr
     def in_a_loader_process(argv):
         next(iter(torch.utils.data.DataLoader(Hungry(), num_workers=1)))
     assert error_of(capsys, in_a_loader_process).endswith(
-        "error: out of memory: MemoryError; a smaller batch or model needs less")
+        "error: out of memory: MemoryError; a smaller batch or model, or fewer loader workers, needs less")
+
+    def no_memory_to_fork(argv):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+    assert error_of(capsys, no_memory_to_fork).endswith("error: out of memory: [Errno 12] Cannot allocate memory; a "
+                                                        "smaller batch or model, or fewer loader workers, needs less")
 
     def bug(argv):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
