@@ -50,6 +50,23 @@ class ArgumentParser(argparse.ArgumentParser):
         return parsed
 
 
+def error_line(e):
+    """What ends a command line in one line on stderr: bad input (InputError, a missing or unreadable file), a
+    full or read-only disk, memory that runs out or a failed download; None for a failure that keeps its traceback."""
+    disk = getattr(e, "errno", None) in DISK_ERRNOS  # full or read-only
+    memory = (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or getattr(e, "errno", None) == errno.ENOMEM
+              or "can't allocate memory" in str(e))  # torch's CPU allocator; ENOMEM: a loader process not started
+    if not (disk or memory or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
+        return None
+    message = str(e)
+    if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
+        message = message.splitlines()[-1].split(": ", 1)[-1]
+    if memory:  # the allocator's words, after its C++ assertion
+        detail = (message.split("DefaultCPUAllocator: ")[-1].splitlines() or [type(e).__name__])[0]
+        message = f"out of memory: {detail}; a smaller batch or model, or fewer loader workers, needs less"
+    return message
+
+
 def end_interrupted(name):
     """Ctrl-C: one line, then end by the signal, as shells expect (a script's loop stops too); else status 130."""
     print(f"{name}: interrupted", file=sys.stderr)

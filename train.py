@@ -13,7 +13,6 @@ prints, generates data, builds the image store, validates, and writes checkpoint
 """
 import argparse
 import dataclasses
-import errno
 import inspect
 import itertools
 import logging
@@ -59,24 +58,14 @@ RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "exa
 
 # ---- Flags, run folder, processes, device and precision -----------------------------------------
 def main(run, argv=None):
-    """Run a command line's `run(argv)`: bad input (InputError, a missing or unreadable file), a full or read-only
-    disk, memory that runs out or a failed download ends in one line on stderr and exit status 2, as argparse
-    does, Ctrl-C in one line and the signal; any other failure keeps its traceback."""
+    """Run a command line's `run(argv)`: the failures data.error_line names end in one line on stderr and exit
+    status 2, as argparse does, Ctrl-C in one line and the signal; any other failure keeps its traceback."""
     status, name = 0, Path(sys.argv[0]).name
     try:
         run(argv)
     except (InputError, OSError, MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors
-        disk = getattr(e, "errno", None) in data.DISK_ERRNOS  # full or read-only
-        memory = (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or getattr(e, "errno", None) == errno.ENOMEM
-                  or "can't allocate memory" in str(e))  # ENOMEM: also a loader process that cannot be started
-        if not (disk or memory or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
+        if (message := data.error_line(e)) is None:
             raise
-        message = str(e)
-        if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
-            message = message.splitlines()[-1].split(": ", 1)[-1]
-        if memory:  # the allocator's words, after its C++ assertion
-            detail = (message.split("DefaultCPUAllocator: ")[-1].splitlines() or [type(e).__name__])[0]
-            message = f"out of memory: {detail}; a smaller batch or model, or fewer loader workers, needs less"
         print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
     except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
