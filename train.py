@@ -180,7 +180,8 @@ def check_run_folder(cfg):
     if cfg.resume:
         saved = clip_weights.read_checkpoint(out / "last.pt", mmap=True)  # no tensor is read
         keys = {"config", "state", "rng", "model", "model_config", "optimizer"}
-        if not (isinstance(saved, dict) and keys <= set(saved) and isinstance(saved["config"], dict)):
+        if not (isinstance(saved, dict) and keys <= set(saved) and isinstance(saved["config"], dict)
+                and isinstance(saved["state"], dict) and "step" in saved["state"]):
             raise InputError(f"--resume: {out / 'last.pt'} is not a last.pt of adapt.py or caption.py")
         saved = saved["config"]
         if ("init_from" in saved) != hasattr(cfg, "init_from"):  # a stage-2 setting

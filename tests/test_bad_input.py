@@ -411,6 +411,8 @@ def test_resume_refuses_changed_settings(root, unfinished, capsys, flags, change
     (lambda last, best: last.write_bytes(best.read_bytes()), "is not a last.pt of adapt.py or caption.py"),
     (lambda last, best: torch.save({**torch.load(last, weights_only=True), "config": "seed=7"}, last),
      "is not a last.pt of adapt.py or caption.py"),
+    (lambda last, best: torch.save({**torch.load(last, weights_only=True), "state": {"best": 0.5}}, last),
+     "is not a last.pt of adapt.py or caption.py"),
 ])
 def test_resume_from_a_damaged_last_pt_is_refused(root, stage_1, tmp_path, capsys, damage, message):
     out = tmp_path / "run"
@@ -427,7 +429,7 @@ def test_a_resumed_stage_2_run_may_change_its_patience_alone(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     saved = caption.CaptionConfig(out_dir=str(out), patience=10)  # a run of an earlier default
-    torch.save(dict(config=asdict(saved), state={}, rng=[], model={}, model_config={}, optimizer={}), out / "last.pt")
+    torch.save(dict(config=asdict(saved), state=dict(step=0), rng=[], model={}, model_config={}, optimizer={}), out / "last.pt")
     train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True))  # patience 11: when to stop, alone
     with pytest.raises(InputError, match=r"'lr': \(0.0001, 0.001\)"):
         train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True, lr=1e-3))
