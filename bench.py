@@ -218,8 +218,9 @@ def bench_loader(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for source, load in (("PNG files", None), ("ImageStore", store)):
         dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, load)
-        if args.batch > len(dataset):
-            raise data.InputError(f"--batch {args.batch}: expected at most the {len(dataset)} training samples")
+        if 2 * args.batch > len(dataset):  # the first batch starts the workers, untimed
+            raise data.InputError(f"--batch {args.batch}: expected at most half the {len(dataset)} training samples, "
+                                  "for at least one timed batch")
         for workers in args.workers_list:
             loader = data.make_loader(dataset, args.batch, device, workers, data.EpochSampler(len(dataset), 0, args.batch))
             batches = iter(loader)

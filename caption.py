@@ -106,7 +106,8 @@ def build_captioner(cfg, device):
     try:
         captioner = Captioner(encoder, captioner_config(cfg)).to(device)
     except ValueError as e:  # flags the pair encoder cannot take, such as a --max_len beyond its text positions
-        raise InputError(str(e)) from None
+        flag = "--" if str(e).startswith(("heads ", "max_len ")) else ""  # the model's words name a field, not its flag
+        raise InputError(flag + str(e)) from None
     if cfg.recipe == "authors":  # on Spot-the-Diff their stage 2 trains the token embedding, at CLIP's rate
         freeze_as_authors(encoder.clip, keep=("token_embedding.weight",) if cfg.data == "spot" else ())
     return captioner

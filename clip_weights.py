@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from data import InputError, format_eta
+from data import InputError, format_eta, new_folders
 from model import CLIP, CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
 MODELS = {  # the SHA-256 of each file is the path component before its name
@@ -84,8 +84,6 @@ def load_checkpoint(path, device="cpu", n_intra=9, heads=8):
     else:
         raise InputError(f"{path}: expected a best.pt or last.pt of adapt.py or caption.py, or a "
                          "pytorch_model.bin of the authors' CLIP4IDC code")
-    if not all(w.isfinite().all() for w in model.state_dict().values() if w.is_floating_point()):
-        raise InputError(f"{path}: its weights are not all finite, as a diverged training leaves them")
     return model.to(device).eval()
 
 
@@ -104,6 +102,8 @@ def read_checkpoint(path, mmap=False):
         raise InputError(f"{path}: cannot read it as a checkpoint (not torch's format, or it holds objects "
                          "besides tensors and plain data)") from None
     except Exception as e:  # truncated, or not a zip file: a bad file, not a bug
+        if mmap:  # torch then only says that mmap needs its zip format: read it whole for the real fault
+            return read_checkpoint(path)
         raise InputError(f"{path}: cannot read it as a checkpoint ({type(e).__name__}: {first_line(e)})") from None
 
 
@@ -274,7 +274,8 @@ def count_blocks(sd, prefix, name="checkpoint", file_prefix=""):
 
 
 def load_weights(model, sd, name="checkpoint"):
-    """Copy `sd` into `model` key by key; any missing, unexpected or mis-shaped key is an error."""
+    """Copy `sd` into `model` key by key; any missing, unexpected or mis-shaped key is an error, and so is a
+    weight that is not finite."""
     if not isinstance(sd, dict):
         raise InputError(f"{name}: expected a state dict of tensors, got {type(sd).__name__}")
     ours = model.state_dict()
@@ -287,6 +288,8 @@ def load_weights(model, sd, name="checkpoint"):
     if missing or unexpected or misshaped:
         raise InputError(f"{name} does not match {type(model).__name__}: missing keys: {few(missing)}; unexpected "
                          f"keys: {few(unexpected)}; mis-shaped keys: {few(sorted(misshaped))}")
+    if not all(w.isfinite().all() for w in sd.values() if w.is_floating_point()):
+        raise InputError(f"{name}: its weights are not all finite, as a diverged training leaves them")
     with torch.no_grad():
         for k, v in sd.items():
             ours[k].copy_(v)  # the release stores most weights in fp16; copy_ casts to our fp32
@@ -304,18 +307,18 @@ def download(url, root=CACHE_DIR):
     expected = url.rsplit("/", 2)[1]
     if target.is_file() and sha256(target) == expected:
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=target.name + ".", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            digest = fetch(url, out, target)
-        if digest != expected:
-            raise ConnectionError(f"{url}: the downloaded file has SHA-256 {digest}, expected {expected}; nothing "
-                                  "was cached, try again")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with new_folders(root):  # the folders it makes go again if nothing comes into them
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=target.name + ".", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                digest = fetch(url, out, target)
+            if digest != expected:
+                raise ConnectionError(f"{url}: the downloaded file has SHA-256 {digest}, expected {expected}; "
+                                      "nothing was cached, try again")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     return target
 
 
@@ -334,7 +337,7 @@ def fetch(url, out, target):
     except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
         there = ", in place of the file there, whose SHA-256 differs" if target.is_file() else ""
         raise ConnectionError(f"cannot download {url} ({e}). No network? Download the file elsewhere "
-                              f"and put it at {target}{there}") from e
+                              f"and put it at {target}{there}, or give its path as --clip") from e
     print(file=sys.stderr)
     return digest.hexdigest()
 

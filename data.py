@@ -223,8 +223,9 @@ def read_ier(root, split):
                  caption_list(e["sents"], path, f"entry {n} (uid {e['uid']!r})")) for n, e in enumerate(entries)]
 
 
-def read_split(dataset, root, split):
-    """The pairs of one split; "synth" is our CLEVR-Change look-alike and shares its reader."""
+def read_split(dataset, root, split, images=True):
+    """The pairs of one split; "synth" is our CLEVR-Change look-alike and shares its reader. `images`: check
+    that their image files exist."""
     dataset = "clevr" if dataset == "synth" else dataset
     if dataset not in SOURCES:
         raise InputError(f"unknown dataset {dataset!r}; expected one of clevr, spot, ier, synth")
@@ -237,7 +238,7 @@ def read_split(dataset, root, split):
     pairs = without_blank_captions(pairs, f"{root} {split}")
     if not pairs:  # an empty split would hang METEOR's java process or fail deep in the model
         raise InputError(f"{root} {split}: no pairs; each split needs at least one")
-    if lacking := [(p.id, q) for p in pairs for q in (p.before, p.after, p.distractor) if q and not q.is_file()]:
+    if images and (lacking := [(p.id, q) for p in pairs for q in (p.before, p.after, p.distractor) if q and not q.is_file()]):
         ids = list(dict.fromkeys(i for i, _ in lacking))
         raise missing(dataset, lacking[0][1], f"not found, and {len(ids)} of {len(pairs)} {split} pairs lack "
                                               f"image files (ids {', '.join(ids[:5])}{', ...' * (len(ids) > 5)})")

@@ -364,7 +364,7 @@ def score_checkpoint(args, device):
     check_outputs([("--out_dir", Path(args.out_dir) / name) for name in written if args.out_dir], args.overwrite)
     pairs = data.read_split(args.data, args.data_root, args.split)
     if isinstance(model, Captioner):
-        train_pairs = data.read_split(args.data, args.data_root, "train")
+        train_pairs = data.read_split(args.data, args.data_root, "train", images=False)  # the blind baseline's captions
         require_java()
         preds, results = score_captions(model, data.eval_items(pairs), train_pairs, args.split, device)
     else:
@@ -427,9 +427,14 @@ def caption_one_pair(captioner, args, device):
 
 
 def check_outputs(outputs, overwrite):
-    """Before any scoring: refuse to replace an earlier result unless told to, or to score what cannot
-    then be written. Nothing is created. outputs: (flag, path or None) pairs."""
+    """Refused before any scoring and creating nothing: replacing a result unless told to, ending a run (a
+    metrics.json beside its last.pt or .lock), a file that cannot be written. outputs: (flag, path or None) pairs."""
     for flag, path in ((flag, Path(p)) for flag, p in outputs if p):
+        if path.is_dir():
+            raise InputError(f"{path} is a folder: expected a file to write ({flag})")
+        if path.name == "metrics.json" and not path.exists() and {"last.pt", ".lock"} & {q.name for q in path.parent.glob("*")}:
+            raise InputError(f"{flag}: {path.parent} holds a run that has not finished, which a metrics.json would mark "
+                             f"as finished (--resume refuses it then); give another {flag}")
         if path.exists() and not overwrite:
             raise InputError(f"{path} exists: pass --overwrite to replace it, or another {flag}")
         data.check_writable(path.parent, flag)
@@ -470,14 +475,9 @@ def main(argv=None):
             mode = "--ckpt --data_root" if modes[0] == "data_root" else f"--{modes[0]}"
             takes = ", ".join(f"--{f}" for f in uses[modes[0]])
             raise InputError(f"--{flag} has no use with {mode}, which takes {takes}")
-    defaults = dict(data="clevr", split="test", device="auto")
-    vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
+    vars(args).update({k: v for k, v in dict(data="clevr", split="test", device="auto").items() if getattr(args, k) is None})
     if args.attention and not figures.pillow_writes(args.attention):
         parser.error(f"--attention {args.attention}: expected the name of an image file Pillow writes, such as attention.png")
-    for flag, out in (("--out", args.out), ("--attention", args.attention),
-                      ("--out_dir", args.out_dir and Path(args.out_dir) / "metrics.json")):
-        if out and Path(out).is_dir():
-            parser.error(f"{out} is a folder: expected a file to write ({flag})")
     check_outputs([("--out", args.out), ("--attention", args.attention)], args.overwrite)
     if absent := [p for p in args.pair or () if not Path(p).is_file()]:
         parser.error(f"--pair: {absent[0]} is not a file; expected the two images, before and after")

@@ -253,6 +253,9 @@ def ensure_synth(root, pairs=PAIRS, seed=0):
         log.warning("generating %d synthetic CLEVR-Change pairs in %s", pairs, root)
         write_synth(root, pairs, seed)
         return root
+    if root.is_dir() and not any(root.iterdir()):
+        raise InputError(f"--data_root {root}: an empty folder; the synthetic data is drawn into a folder that does "
+                         "not exist yet: remove it, or give another --data_root")
     held = len(read_json("clevr", root / "scenes.json")[0]) if (root / "scenes.json").is_file() else pairs
     if held != pairs:
         log.warning("%s holds %d pairs, not the %d asked for: delete it to generate those", root, held, pairs)

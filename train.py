@@ -179,7 +179,7 @@ def check_run_folder(cfg):
                          "score its best.pt with evaluate.py, or pass --overwrite to train it anew")
     if cfg.resume:
         saved = clip_weights.read_checkpoint(out / "last.pt", mmap=True)  # no tensor is read
-        keys = {"config", "state", "rng", "model", "model_config", "optimizer"}
+        keys = {"config", "state", "rng", "model", "model_config", "optimizer", "schedule"}
         if not (isinstance(saved, dict) and keys <= set(saved) and isinstance(saved["config"], dict)
                 and isinstance(saved["state"], dict) and "step" in saved["state"]):
             raise InputError(f"--resume: {out / 'last.pt'} is not a last.pt of adapt.py or caption.py")
@@ -370,8 +370,9 @@ def resume(path, run, shape):
             changed["captioner.vocab"] = (f"{len(saved)} words", f"{len(now)} words, {len(now - saved)} of them new")
         raise InputError(f"--resume: {path} holds a model of another shape than the one built now, (saved, now): "
                          f"{changed}; resume as the run started")
+    clip_weights.load_weights(run["model"], ckpt["model"], path)  # what does not fit, or is not finite, is named
     for name, obj in run.items():
-        if obj is not None and (name in ckpt or name != "scaler"):  # onto fp16 from a run without: a new scaler
+        if name != "model" and obj is not None and (name in ckpt or name != "scaler"):  # fp16 from a run without: a new scaler
             obj.load_state_dict(ckpt[name])
     if len(ckpt["rng"]) == world():
         set_rng_state(ckpt["rng"][rank()], next(run["model"].parameters()).device)

@@ -4,6 +4,7 @@ nothing on disk changes; or it is handled as the user meant it."""
 import errno
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -223,7 +224,7 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_any_work(root, tmp_
 def test_caption_py_without_java_is_refused_before_any_work(root, stage_1, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # validation scores in Java, and no java is on this PATH
     flags = [*SMALL, "--data_root", root, "--out_dir", tmp_path / "run", "--init_from", stage_1 / "best.pt"]
-    assert error_of(capsys, caption.main, *flags, "--heads", 3).endswith("heads 3: expected a divisor of the width 64")
+    assert error_of(capsys, caption.main, *flags, "--heads", 3).endswith(": --heads 3: expected a divisor of the width 64")
     monkeypatch.setattr(train, "prepare_data", lambda *args: pytest.fail("read the data before the refusal"))
     error = error_of(capsys, caption.main, *flags)
     assert error.endswith("scoring captions needs a Java runtime (METEOR and the PTB tokenizer of pycocoevalcap run "
@@ -291,7 +292,7 @@ def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_
     shutil.copytree(root, tmp_path / "data", ignore=shutil.ignore_patterns("store_*"))  # no image store yet
     earlier, at = snapshot(tmp_path), ["--data_root", tmp_path / "data"]
     assert error_of(capsys, caption.main, *SMALL, *at, "--out_dir", tmp_path / "c", "--init_from",
-                    stage_1 / "best.pt", "--heads", 3).endswith("heads 3: expected a divisor of the width 64")
+                    stage_1 / "best.pt", "--heads", 3).endswith(": --heads 3: expected a divisor of the width 64")
     for run, stage in ((adapt.main, []), (caption.main, ["--init_from", stage_1 / "best.pt"])):
         assert error_of(capsys, run, *SMALL, *at, "--out_dir", tmp_path / "a", *stage, "--batch_size", 1000).endswith(
             f"--batch_size 1000: expected at most the {120 if run is adapt.main else 24} training samples")
@@ -403,16 +404,28 @@ def test_resume_refuses_changed_settings(root, unfinished, capsys, flags, change
     assert snapshot(unfinished) == before
 
 
+def edited_model(last, edit):
+    ckpt = torch.load(last, weights_only=True)
+    edit(ckpt["model"])
+    return ckpt
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda last, best: last.write_bytes(last.read_bytes()[:100_000]), "cannot read it as a checkpoint"),
     (lambda last, best: last.write_text("not a checkpoint"), "cannot read it as a checkpoint"),
-    (lambda last, best: last.write_bytes(b""), "cannot read it as a checkpoint"),
+    (lambda last, best: last.write_bytes(b""), "cannot read it as a checkpoint (EOFError"),  # not mmap's words
     (lambda last, best: torch.save({"config": {}}, last), "is not a last.pt of adapt.py or caption.py"),
     (lambda last, best: last.write_bytes(best.read_bytes()), "is not a last.pt of adapt.py or caption.py"),
     (lambda last, best: torch.save({**torch.load(last, weights_only=True), "config": "seed=7"}, last),
      "is not a last.pt of adapt.py or caption.py"),
     (lambda last, best: torch.save({**torch.load(last, weights_only=True), "state": {"best": 0.5}}, last),
      "is not a last.pt of adapt.py or caption.py"),
+    (lambda last, best: torch.save({k: v for k, v in torch.load(last, weights_only=True).items() if k != "schedule"},
+                                   last), "is not a last.pt of adapt.py or caption.py"),
+    (lambda last, best: torch.save(edited_model(last, lambda m: m.pop("ln_inter.bias")), last),
+     "does not match CLIP4IDC: missing keys: ['ln_inter.bias']"),
+    (lambda last, best: torch.save(edited_model(last, lambda m: m["pair_pos"].fill_(math.nan)), last),
+     "its weights are not all finite"),
 ])
 def test_resume_from_a_damaged_last_pt_is_refused(root, stage_1, tmp_path, capsys, damage, message):
     out = tmp_path / "run"
@@ -429,7 +442,8 @@ def test_a_resumed_stage_2_run_may_change_its_patience_alone(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     saved = caption.CaptionConfig(out_dir=str(out), patience=10)  # a run of an earlier default
-    torch.save(dict(config=asdict(saved), state=dict(step=0), rng=[], model={}, model_config={}, optimizer={}), out / "last.pt")
+    torch.save(dict(config=asdict(saved), state=dict(step=0), rng=[], model={}, model_config={}, optimizer={},
+               schedule={}), out / "last.pt")
     train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True))  # patience 11: when to stop, alone
     with pytest.raises(InputError, match=r"'lr': \(0.0001, 0.001\)"):
         train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True, lr=1e-3))
@@ -645,6 +659,11 @@ def test_bench_py_on_a_disk_it_cannot_write_does_not_advise_a_flag_it_lacks(disk
                           "times the store, so it must be written there")
 
 
+def test_bench_py_times_the_loader_on_a_batch_after_the_first(root, capsys):
+    error = error_of(capsys, bench.main, "loader", "--data_root", root, "--preset", "small", "--batch", 61)
+    assert error.endswith("--batch 61: expected at most half the 120 training samples, for at least one timed batch")
+
+
 def test_an_unreadable_image_is_one_line_in_bench_py_too(root, tmp_path, capsys):
     shutil.copytree(root, tmp_path / "synth", ignore=shutil.ignore_patterns("store_*"))
     image = tmp_path / "synth" / "images" / "CLEVR_default_000000.png"
@@ -701,7 +720,7 @@ def test_checkpoints_that_are_not_ours_are_named(root, stage_1, tmp_path, capsys
 
 def test_a_caption_length_beyond_the_encoders_text_positions_is_refused(root, stage_1, tmp_path, capsys):
     assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
-                    stage_1 / "best.pt", "--max_len", 34).endswith("max_len 34: expected at most 33, CLIP's 32 text positions + 1")
+                    stage_1 / "best.pt", "--max_len", 34).endswith(": --max_len 34: expected at most 33, CLIP's 32 text positions + 1")
     assert not (tmp_path / "c").exists()
 
 

@@ -4,6 +4,7 @@ input and outputs that exist or cannot be written are refused in one line, befor
 import errno
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,32 @@ def test_an_earlier_result_is_kept_unless_overwritten(flag, root, ckpt, preds, t
     if flag == "--out":
         evaluate.main([str(a) for a in argv + ["--overwrite"]])
         assert list(json.loads(path.read_text())) == ["test"]
+
+
+@pytest.mark.parametrize("mark", ["last.pt", ".lock"])
+def test_a_run_that_has_not_finished_gets_no_metrics_file(mark, root, ckpt, preds, tmp_path, capsys):
+    """A metrics.json in a run folder says that the run finished: --resume would refuse to continue it."""
+    run = tmp_path / "run"  # killed before its end (last.pt), or training now (.lock)
+    run.mkdir()
+    (run / mark).write_bytes(b"a run's")
+    earlier = snapshot(tmp_path)
+    clevr = ["--data", "clevr", "--data_root", root]
+    for flag, argv in (("--out_dir", ["--ckpt", ckpt, *clevr, "--split", "val", "--out_dir", run]),
+                       ("--out", ["--predictions", preds, *clevr, "--out", run / "metrics.json", "--overwrite"])):
+        assert error_of(capsys, *argv) == (f"{flag}: {run} holds a run that has not finished, which a metrics.json "
+                                           f"would mark as finished (--resume refuses it then); give another {flag}")
+    assert snapshot(tmp_path) == earlier
+
+
+def test_a_split_is_scored_without_the_images_of_the_others(root, ckpt, tmp_path, capsys):
+    """The training split lends the blind baseline its captions only."""
+    copy = tmp_path / "clevr"
+    shutil.copytree(root, copy)
+    (copy / "sc_images" / "CLEVR_semantic_000015.png").unlink()  # the train pair's after image
+    evaluate.main([str(a) for a in ["--ckpt", ckpt, "--data", "clevr", "--data_root", copy, "--out_dir", tmp_path]])
+    assert set(json.loads((tmp_path / "metrics.json").read_text())) == {"test", "blind_baseline"}
+    with pytest.raises(FileNotFoundError, match="1 of 1 train pairs lack image files"):
+        data.read_split("clevr", copy, "train")
 
 
 def test_a_flag_the_chosen_command_does_not_use_is_refused(root, ckpt, preds, tmp_path, capsys):
