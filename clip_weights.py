@@ -288,7 +288,7 @@ def load_weights(model, sd, name="checkpoint"):
     if missing or unexpected or misshaped:
         raise InputError(f"{name} does not match {type(model).__name__}: missing keys: {few(missing)}; unexpected "
                          f"keys: {few(unexpected)}; mis-shaped keys: {few(sorted(misshaped))}")
-    if not all(w.isfinite().all() for w in sd.values() if w.is_floating_point()):
+    if not all(w.isfinite().all() for w in sd.values() if w.is_floating_point() and not w.is_meta):  # meta: shapes only
         raise InputError(f"{name}: its weights are not all finite, as a diverged training leaves them")
     with torch.no_grad():
         for k, v in sd.items():
