@@ -94,6 +94,8 @@ def read_checkpoint(path, mmap=False):
         raise InputError(f"{path} is a folder: expected a checkpoint file, such as {Path(path) / 'best.pt'}")
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
+    if Path(path).stat().st_size == 0:
+        raise InputError(f"{path}: an empty file; expected a checkpoint")
     try:
         with warnings.catch_warnings():  # torch's notes on pickle protocols: the error says what matters
             warnings.simplefilter("ignore")

@@ -245,6 +245,15 @@ def draw_into(out, n_pairs, seed, workers):
 PAIRS = 5600  # the offline default: train 5,200, val 200, test 200 (see the README on why so many)
 
 
+def check_root(root):
+    """--data_root of --data synth: a folder that can be made, to draw into on first use, or one drawn before."""
+    if not Path(root).is_dir():
+        check_writable(root, "--data_root")
+    elif not any(Path(root).iterdir()):  # made by hand for the data, say: drawing would not replace it
+        raise InputError(f"--data_root {root}: an empty folder; the synthetic data is drawn into a folder that does "
+                         "not exist yet: remove it, or give another --data_root")
+
+
 def ensure_synth(root, pairs=PAIRS, seed=0):
     """Generate the synthetic dataset at `root` unless it exists; an existing one of another size is
     used as it is, with a warning."""
@@ -253,9 +262,6 @@ def ensure_synth(root, pairs=PAIRS, seed=0):
         log.warning("generating %d synthetic CLEVR-Change pairs in %s", pairs, root)
         write_synth(root, pairs, seed)
         return root
-    if root.is_dir() and not any(root.iterdir()):
-        raise InputError(f"--data_root {root}: an empty folder; the synthetic data is drawn into a folder that does "
-                         "not exist yet: remove it, or give another --data_root")
     held = len(read_json("clevr", root / "scenes.json")[0]) if (root / "scenes.json").is_file() else pairs
     if held != pairs:
         log.warning("%s holds %d pairs, not the %d asked for: delete it to generate those", root, held, pairs)

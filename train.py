@@ -135,10 +135,10 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
     processes = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.batch_size % processes:
         raise InputError(f"--batch_size {cfg.batch_size} does not split evenly over {processes} processes")
-    if not Path(cfg.data_root).is_dir():
-        if cfg.data != "synth":
-            raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
-        data.check_writable(cfg.data_root, "--data_root")  # synth is generated there on first use
+    if cfg.data == "synth":
+        synth.check_root(cfg.data_root)
+    elif not Path(cfg.data_root).is_dir():
+        raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
     check_run_folder(cfg)
     device = setup_device(cfg)
     logging.basicConfig(level=logging.INFO if rank() == 0 else logging.ERROR, format="%(message)s")
@@ -178,7 +178,7 @@ def check_run_folder(cfg):
         raise InputError(f"--resume: {out} holds a finished run ({out / 'metrics.json'}), nothing is left to train: "
                          "score its best.pt with evaluate.py, or pass --overwrite to train it anew")
     if cfg.resume:
-        saved = clip_weights.read_checkpoint(out / "last.pt", mmap=True)  # no tensor is read
+        saved = clip_weights.read_checkpoint(out / "last.pt", mmap=True)  # no tensor of a sound file is read
         keys = {"config", "state", "rng", "model", "model_config", "optimizer", "schedule"}
         if not (isinstance(saved, dict) and keys <= set(saved) and isinstance(saved["config"], dict)
                 and isinstance(saved["state"], dict) and "step" in saved["state"]):
@@ -370,7 +370,7 @@ def resume(path, run, shape):
             changed["captioner.vocab"] = (f"{len(saved)} words", f"{len(now)} words, {len(now - saved)} of them new")
         raise InputError(f"--resume: {path} holds a model of another shape than the one built now, (saved, now): "
                          f"{changed}; resume as the run started")
-    clip_weights.load_weights(run["model"], ckpt["model"], path)  # what does not fit, or is not finite, is named
+    clip_weights.load_weights(run["model"], ckpt["model"], f"--resume: {path}")  # names what does not fit or is not finite
     for name, obj in run.items():
         if name != "model" and obj is not None and (name in ckpt or name != "scaler"):  # fp16 from a run without: a new scaler
             obj.load_state_dict(ckpt[name])

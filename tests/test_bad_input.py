@@ -188,12 +188,17 @@ def test_flags_are_checked_before_anything_is_built(tmp_path, capsys, monkeypatc
     assert sorted(os.listdir(tmp_path)) == ["a_file", "a_link"]  # no data generated, no run folder
 
 
-def test_a_file_as_the_data_root_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+def test_a_file_or_an_empty_folder_as_the_data_root_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(adapt, "build_model", lambda *a: pytest.fail("built the model"))
     (tmp_path / "a_file").write_text("not a folder")
+    (tmp_path / "empty").mkdir()  # made by hand for the synthetic data, which is drawn into a new folder
     assert error_of(capsys, adapt.main, "--data_root", "a_file").endswith(
         f"--data_root a_file: {tmp_path / 'a_file'} is not a folder")
-    assert os.listdir(tmp_path) == ["a_file"]
+    assert error_of(capsys, adapt.main, "--data_root", "empty").endswith(
+        "--data_root empty: an empty folder; the synthetic data is drawn into a folder that does not exist yet: "
+        "remove it, or give another --data_root")
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "empty"] and os.listdir("empty") == []
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
@@ -413,7 +418,7 @@ def edited_model(last, edit):
 @pytest.mark.parametrize("damage, message", [
     (lambda last, best: last.write_bytes(last.read_bytes()[:100_000]), "cannot read it as a checkpoint"),
     (lambda last, best: last.write_text("not a checkpoint"), "cannot read it as a checkpoint"),
-    (lambda last, best: last.write_bytes(b""), "cannot read it as a checkpoint (EOFError"),  # not mmap's words
+    (lambda last, best: last.write_bytes(b""), "last.pt: an empty file; expected a checkpoint"),
     (lambda last, best: torch.save({"config": {}}, last), "is not a last.pt of adapt.py or caption.py"),
     (lambda last, best: last.write_bytes(best.read_bytes()), "is not a last.pt of adapt.py or caption.py"),
     (lambda last, best: torch.save({**torch.load(last, weights_only=True), "config": "seed=7"}, last),
@@ -673,17 +678,22 @@ def test_an_unreadable_image_is_one_line_in_bench_py_too(root, tmp_path, capsys)
     assert not list((tmp_path / "synth").glob("store_*"))
 
 
-def test_an_unreadable_test_image_met_after_training_says_where_the_trained_model_is(root, stage_1, tmp_path, capsys):
+def test_an_unreadable_test_image_met_after_training_says_how_to_finish_the_run(root, stage_1, tmp_path, capsys):
     shutil.copytree(root, tmp_path / "synth", ignore=shutil.ignore_patterns("store_*"))
     image = tmp_path / "synth" / "sc_images" / "CLEVR_semantic_000028.png"  # a test pair's, read after training
     image.write_bytes(image.read_bytes()[:200])
     out = tmp_path / "run"
-    error = error_of(capsys, caption.main, *SMALL, "--data_root", tmp_path / "synth", "--out_dir", out, "--no-cache",
-                     "--init_from", stage_1 / "best.pt", "--layers", 1, "--ffn", 32)
+    flags = [*SMALL, "--data_root", tmp_path / "synth", "--out_dir", out, "--no-cache", "--init_from", stage_1 / "best.pt",
+             "--layers", 1, "--ffn", 32]
+    error = error_of(capsys, caption.main, *flags)
     assert error.split(": error: ", 1)[1].startswith(f"{image}: cannot read image")
-    assert error.endswith(f"; the trained model is in {out}/best.pt: once mended, score it with `python evaluate.py "
-                          f"--ckpt {out}/best.pt --data synth --data_root {tmp_path / 'synth'} --out_dir {out}`")
-    assert (out / "best.pt").is_file()
+    assert error.endswith(f"; the trained model is in {out}/best.pt: once mended, run the same command with --resume, "
+                          "which trains no further and scores it")
+    assert (out / "best.pt").is_file() and not (out / "metrics.json").exists()
+    image.write_bytes((root / "sc_images" / image.name).read_bytes())
+    caption.main([str(a) for a in [*flags, "--resume"]])
+    assert "test" in json.loads((out / "metrics.json").read_text()) and (out / "examples.png").is_file()
+    assert "resumed from" in capsys.readouterr().out
 
 
 def test_a_decompression_bomb_is_an_unreadable_image(tmp_path, monkeypatch):
