@@ -363,7 +363,7 @@ def set_rng_state(state, device):
 def resume(path, run, shape):
     """Restore model, optimiser, schedule, grad scaler and RNG from last.pt (whose settings
     check_run_folder compared); return the loop's state."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = clip_weights.read_checkpoint(path)
     if changed := differences(ckpt["model_config"], shape):  # the same weights fit another layer split
         if "captioner.vocab" in changed:  # --vocab train: the token ids of the captions' words, too many to print
             saved, now = (set(ids or ()) for ids in changed["captioner.vocab"])
