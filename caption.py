@@ -158,9 +158,11 @@ def main(argv=None):
     try:
         preds, results = evaluate.score_captions(captioner, test_items, splits["train"], "test", device, store,
                                                  cfg.amp, cfg.workers)
-    except InputError as e:  # a test image read for the first time (no --cache): the training is kept
-        raise InputError(f"{e}; the trained model is in {cfg.out_dir}/best.pt: once mended, run the same command "
-                         "with --resume, which trains no further and scores it") from None
+    except (InputError, OSError, MemoryError, RuntimeError) as e:  # a test image read for the first time (no
+        if (message := data.error_line(e)) is None:  # --cache), Java's METEOR gone, memory short: the training is kept
+            raise
+        raise InputError(f"{message}; the trained model is in {cfg.out_dir}/best.pt: once mended, run the same "
+                         "command with --resume, which trains no further and scores it") from None
     evaluate.save_results(cfg.out_dir, results, "test", preds)
     examples = Path(cfg.out_dir) / "examples.png"
     data.write_file(examples, figures.examples_png(test_items, preds))

@@ -696,6 +696,23 @@ def test_an_unreadable_test_image_met_after_training_says_how_to_finish_the_run(
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_a_scorer_that_fails_after_training_says_how_to_finish_the_run(root, stage_1, tmp_path, capsys, monkeypatch):
+    def java_gone(gts, res):  # METEOR runs at the test split alone: validation scores CIDEr
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(evaluate, "meteor", java_gone)
+    out = tmp_path / "run"
+    flags = [*SMALL, "--data_root", root, "--out_dir", out, "--init_from", stage_1 / "best.pt", "--layers", 1, "--ffn", 32]
+    with pytest.raises(SystemExit):  # after the test split's progress line on stderr, the one error line
+        train.main(caption.main, [str(a) for a in flags])
+    assert capsys.readouterr().err.endswith(
+        f"error: [Errno 32] Broken pipe; the trained model is in {out}/best.pt: once mended, run the same command "
+        "with --resume, which trains no further and scores it\n")
+    assert (out / "best.pt").is_file() and not (out / "metrics.json").exists()
+    monkeypatch.undo()
+    caption.main([str(a) for a in [*flags, "--resume"]])
+    assert "METEOR" in json.loads((out / "metrics.json").read_text())["test"]
+
+
 def test_a_decompression_bomb_is_an_unreadable_image(tmp_path, monkeypatch):
     Image.new("RGB", (64, 64)).save(tmp_path / "big.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 64 * 64 // 4)  # twice that and more: Pillow refuses
