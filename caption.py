@@ -155,11 +155,13 @@ def main(argv=None):
     if train.rank() != 0:
         return
     captioner.load_state_dict(torch.load(Path(cfg.out_dir) / "best.pt", map_location=device, weights_only=True)["model"])
+    # The scoring may fail where the training did not (a test image read for the first time without --cache,
+    # Java's METEOR gone, memory short): best.pt is kept, and the error says how to finish the run.
     try:
         preds, results = evaluate.score_captions(captioner, test_items, splits["train"], "test", device, store,
                                                  cfg.amp, cfg.workers)
-    except (InputError, OSError, MemoryError, RuntimeError) as e:  # a test image read for the first time (no
-        if (message := data.error_line(e)) is None:  # --cache), Java's METEOR gone, memory short: the training is kept
+    except (InputError, OSError, MemoryError, RuntimeError) as e:
+        if (message := data.error_line(e)) is None:  # any other failure keeps its traceback
             raise
         raise InputError(f"{message}; the trained model is in {cfg.out_dir}/best.pt: once mended, run the same "
                          "command with --resume, which trains no further and scores it") from None
