@@ -160,7 +160,7 @@ def main(argv=None):
     try:
         preds, results = evaluate.score_captions(captioner, test_items, splits["train"], "test", device, store,
                                                  cfg.amp, cfg.workers)
-    except (InputError, OSError, MemoryError, RuntimeError) as e:
+    except data.ONE_LINE_ERRORS as e:
         if (message := data.error_line(e)) is None:  # any other failure keeps its traceback
             raise
         raise InputError(f"{message}; the trained model is in {cfg.out_dir}/best.pt: once mended, run the same "

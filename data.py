@@ -50,6 +50,9 @@ class ArgumentParser(argparse.ArgumentParser):
         return parsed
 
 
+ONE_LINE_ERRORS = (InputError, OSError, MemoryError, RuntimeError)  # error_line names some: torch's allocators raise RuntimeErrors
+
+
 def error_line(e):
     """What ends a command line in one line on stderr: bad input (InputError, a missing or unreadable file), a
     full or read-only disk, memory that runs out or a failed download; None for a failure that keeps its traceback."""

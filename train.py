@@ -63,7 +63,7 @@ def main(run, argv=None):
     status, name = 0, Path(sys.argv[0]).name
     try:
         run(argv)
-    except (InputError, OSError, MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors
+    except data.ONE_LINE_ERRORS as e:
         if (message := data.error_line(e)) is None:
             raise
         print(f"{name}: error: {message}", file=sys.stderr)
