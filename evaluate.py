@@ -270,8 +270,7 @@ def score_items(items, preds):
 def format_table(metrics):
     """Caption metrics as in Table 1 (B = BLEU-4, M, C, R) and, if present, Table 2's CIDEr by type."""
     columns = {"B": "BLEU-4", "M": "METEOR", "C": "CIDEr", "R": "ROUGE-L"}
-    lines = ["".join(f"{c:>8}" for c in columns),
-             "".join(f"{metrics[m]:>8.1f}" for m in columns.values())]
+    lines = ["".join(f"{c:>8}" for c in columns), "".join(f"{metrics[m]:>8.1f}" for m in columns.values())]
     if "per_type" in metrics:
         per_type = metrics["per_type"]
         lines += ["", "CIDEr by change type", "".join(f"{h:>8}" for h in ("C", "T", "M", "A", "D", "DI")),
@@ -286,11 +285,12 @@ def write_predictions(path, preds):
 
 
 def read_text(path, expected):
-    """The text of a file the user named (a byte-order mark is fine); a folder or binary file is named."""
+    """The text of a file the user named (a byte-order mark is fine); a missing file, a folder or binary data is named."""
     try:
         return Path(path).read_text(encoding="utf-8-sig")
-    except (IsADirectoryError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not a text file ({e}); expected {expected}") from None
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
+        problem = "no such file" if isinstance(e, FileNotFoundError) else f"not a text file ({e})"
+        raise InputError(f"{path}: {problem}; expected {expected}") from None
 
 
 def read_predictions(path):

@@ -304,10 +304,14 @@ def test_predictions_of_other_ids_name_the_file_and_split(case, detail, root, ri
                                           f"{root}: {detail}; expected one caption for each of its {n_ids} ids")
 
 
-def test_input_files_that_are_empty_binary_or_folders_are_named(root, ckpt, tmp_path, capsys):
+def test_input_files_that_are_missing_empty_binary_or_folders_are_named(root, ckpt, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n  \n")
     (tmp_path / "binary.txt").write_bytes(bytes(range(256)))
     earlier = snapshot(tmp_path)
+    assert error_of(capsys, "--ckpt", ckpt, "--pairs", tmp_path / "missing.txt") == (
+        f"{tmp_path / 'missing.txt'}: no such file; expected two image paths a line")
+    assert error_of(capsys, "--predictions", tmp_path / "missing.json", "--data", "clevr", "--data_root", root) == (
+        f"{tmp_path / 'missing.json'}: no such file; expected a COCO results json")
     assert error_of(capsys, "--ckpt", ckpt, "--pairs", tmp_path / "empty.txt") == (
         f"{tmp_path / 'empty.txt'}: no pairs; expected two image paths (before, after) a line")
     assert error_of(capsys, "--ckpt", ckpt, "--pairs", tmp_path / "binary.txt") == (
