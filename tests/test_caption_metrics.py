@@ -30,13 +30,14 @@ def test_matches_pycocoevalcap_called_directly(monkeypatch):
     # One METEOR process for both sides: each start takes ~10 s to load its paraphrase tables.
     meteor = Meteor()
     monkeypatch.setattr(evaluate, "Meteor", lambda: meteor)
+    # Ours first: were METEOR to fail, the direct call would keep the lock its clean-up waits on, forever.
+    metrics = caption_metrics(REFS, PREDS)
     gts = PTBTokenizer().tokenize({k: [{"caption": c} for c in v] for k, v in REFS.items()})
     res = PTBTokenizer().tokenize({k: [{"caption": c}] for k, c in PREDS.items()})
     bleu, _ = Bleu(4).compute_score(gts, res)
     expected = {"BLEU-1": bleu[0], "BLEU-2": bleu[1], "BLEU-3": bleu[2], "BLEU-4": bleu[3],
                 "METEOR": meteor.compute_score(gts, res)[0], "ROUGE-L": Rouge().compute_score(gts, res)[0],
                 "CIDEr": Cider().compute_score(gts, res)[0]}
-    metrics = caption_metrics(REFS, PREDS)
     assert metrics == {k: 100 * v for k, v in expected.items()}
     assert 0 < metrics["BLEU-4"] < metrics["BLEU-1"] < 100 and metrics["CIDEr"] > 0
     cider_and_bleu2 = caption_metrics(REFS, PREDS, only=("CIDEr", "BLEU-2"))
