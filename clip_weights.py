@@ -251,6 +251,9 @@ def config_from_state_dict(sd, name="checkpoint", prefix=""):
     vision_width, _, patch_size, _ = sd["visual.conv1.weight"].shape
     grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
     text_width = sd["ln_final.weight"].shape[0]
+    if min(vision_width, text_width) < 64:  # OpenAI's ViTs all use 64-dim heads
+        raise InputError(f"{name}: vision width {vision_width}, text width {text_width}: expected at least 64 each, "
+                         "as CLIP's 64-wide attention heads need")
     return CLIPConfig(
         embed_dim=sd["text_projection"].shape[1],
         image_size=patch_size * grid,

@@ -1,4 +1,5 @@
 """clip_weights: config inference, strict key checks, safe reading, and the cached, hash-checked download."""
+import dataclasses
 import hashlib
 import re
 import http.server
@@ -52,6 +53,12 @@ def test_resnet_checkpoint_is_rejected(tmp_path):
     resnet = openai_model.CLIP(64, 64, (1, 1, 1, 1), 64, None, 16, 100, 64, 1, 1)
     with pytest.raises(ValueError, match="ResNet"):
         clip_weights.load(save(resnet.state_dict(), tmp_path / "rn.pt"))
+
+
+def test_a_width_below_one_attention_head_is_named(tmp_path):
+    narrow = dataclasses.replace(TINY, embed_dim=32, vision_width=32, text_width=32)
+    with pytest.raises(ValueError, match="vision width 32, text width 32: expected at least 64"):
+        clip_weights.load(save(CLIP(narrow).state_dict(), tmp_path / "narrow.pt"))
 
 
 # ---------------------------------------------------------------------------------------------
