@@ -17,6 +17,7 @@ counted by torch.utils.flop_counter (matrix products and attention, forward and 
 the model FLOPs utilisation (MFU) against the device's dense bf16 peak. With --data_root, also
 train.fit itself on that dataset (loader, store, optimiser and all) for --fit_steps steps.
 loader: pairs/s of the stage's training batches through a DataLoader, by number of workers.
+A flag that the chosen check does not read is refused rather than ignored.
 """
 import argparse
 import functools
@@ -267,8 +268,15 @@ def main(argv=None):
         parser.error(f"--workers_list {min(args.workers_list)}: expected worker counts of 0 or more")
     if args.what == "loader" and not args.data_root:
         parser.error("loader times a dataset's loading: give its folder as --data_root")
-    if args.data_root and args.what not in ("train", "loader"):
-        parser.error(f"--data_root: read by the train and loader checks, not by {args.what}")
+    fit = ("data", "fit_steps", "workers")  # train reads them only to time train.fit on --data_root
+    uses = {"clip": ("images", "texts", "repeats"), "decode": ("pairs", "repeats"),
+            "train": ("stage", "preset", "batch", "device", "amp", "modes", "steps", "peak_tflops", "data_root",
+                      *(fit if args.data_root else ())),
+            "loader": ("stage", "preset", "batch", "data", "data_root", "workers_list", "seconds")}[args.what]
+    if unused := [f for f in vars(args) if f not in ("what", *uses) and getattr(args, f) != parser.get_default(f)]:
+        without = " without --data_root" if args.what == "train" and unused[0] in fit else ""
+        parser.error(f"--{unused[0]} has no use in the {args.what} check{without}, which takes "
+                     + ", ".join(f"--{f}" for f in uses))
     if args.data_root and not Path(args.data_root).is_dir():
         parser.error(f"--data_root {args.data_root}: expected a dataset folder")
     args.batch = args.batch or (128 if args.stage == 1 else 16)

@@ -283,7 +283,11 @@ def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
     (["train", "--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
     (["loader", "--data_root", ".", "--workers_list", "-2"], "--workers_list -2: expected worker counts of 0 or more"),
     (["train", "--workers", "-5", "--steps", "1"], "--workers -5: expected -1 (from the machine's cores) or 0 or more"),
-    (["decode", "--data_root", ".", "--repeats", "1"], "--data_root: read by the train and loader checks, not by decode"),
+    (["decode", "--data_root", ".", "--repeats", "1"], "--data_root has no use in the decode check, which takes "
+                                                       "--pairs, --repeats"),
+    (["clip", "--steps", "5"], "--steps has no use in the clip check, which takes --images, --texts, --repeats"),
+    (["train", "--fit_steps", "5"], "--fit_steps has no use in the train check without --data_root, which takes"),
+    (["loader", "--data_root", ".", "--amp", "bf16"], "--amp has no use in the loader check, which takes --stage"),
 ])
 def test_bench_py_refuses_bad_flags_in_one_line(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
