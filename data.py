@@ -354,8 +354,8 @@ def write_file(path, content):
     """Text or bytes into the file `path`, whole or not at all (a full disk: one line, no cut file); a device in place."""
     path, content = Path(path), content.encode() if isinstance(content, str) else content
     try:
-        if str(path.absolute()).startswith(("/dev/", "/proc/")) or path.exists() and not path.is_file():
-            return path.write_bytes(content)  # /dev/stdout, say, or a pipe
+        if is_device(path):
+            return write_device(path, content)
         (target := path.resolve()).parent.mkdir(parents=True, exist_ok=True)  # a link: the file it names is replaced
         tmp = scratch(target, "tmp")
         try:
@@ -366,6 +366,23 @@ def write_file(path, content):
                 tmp.unlink(missing_ok=True)
     except OSError as e:
         raise InputError(f"{path}: cannot write it ({e.strerror})") from None
+
+
+def is_device(path):
+    """/dev/stdout, a pipe, ...: written in place, never replaced."""
+    return str(Path(path).absolute()).startswith(("/dev/", "/proc/")) or Path(path).exists() and not Path(path).is_file()
+
+
+def write_device(path, content):
+    """Our own stdout or stderr goes through its stream: opened anew, a file it is redirected to would be cut
+    short, and the stream's next lines would land over `content`."""
+    def ours(stream):
+        with contextlib.suppress(OSError, ValueError):  # no such device, or a stream that is no file (a test's capture)
+            return os.path.samestat(os.stat(path), os.fstat(stream.fileno()))
+    if stream := next((s for s in (sys.stdout, sys.stderr) if ours(s)), None):
+        stream.flush()
+        return stream.buffer.write(content), stream.flush()
+    path.write_bytes(content)
 
 
 def worker_pool(processes):

@@ -432,6 +432,8 @@ def check_outputs(outputs, overwrite):
     for flag, path in ((flag, Path(p)) for flag, p in outputs if p):
         if path.is_dir():
             raise InputError(f"{path} is a folder: expected a file to write ({flag})")
+        if data.is_device(path):  # /dev/stdout, a pipe: written in place, replacing nothing
+            continue
         if path.name == "metrics.json" and not path.exists() and any((path.parent / n).exists() for n in ("last.pt", ".lock")):
             raise InputError(f"{flag}: {path.parent} holds a run that has not finished, which a metrics.json would mark "
                              f"as finished (--resume refuses it then); give another {flag}")

@@ -5,6 +5,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,18 @@ def test_scores_a_predictions_file(tmp_path, capsys):
     assert printed[0] == "clevr test: 30 image pairs"
     assert printed[1].split() == ["B", "M", "C", "R"] and printed[-2].split() == ["C", "T", "M", "A", "D", "DI"]
     assert printed[-1].split()[2] == "0.0"
+
+
+def test_metrics_to_dev_stdout_follow_the_table_in_a_redirected_file(root, preds, tmp_path):
+    """Opened anew, /dev/stdout would cut the file short and the table would land over the json. A device
+    replaces no result: no --overwrite is needed."""
+    log = tmp_path / "log.txt"
+    with log.open("w") as stdout:
+        subprocess.run([sys.executable, "evaluate.py", "--predictions", preds, "--data", "clevr", "--data_root", root,
+                        "--out", "/dev/stdout"], cwd=Path(__file__).parent.parent, stdout=stdout, check=True)
+    table, _, metrics = log.read_text().partition("{")
+    assert table.startswith("clevr test: 30 image pairs\n") and table.splitlines()[-2].split()[-1] == "DI"
+    assert json.loads("{" + metrics)["test"]["per_type"]["move"] > 100
 
 
 def test_duplicate_predictions_are_rejected(tmp_path):
