@@ -369,7 +369,7 @@ def write_file(path, content):
 
 
 def is_device(path):
-    """/dev/stdout, a pipe, ...: written in place, never replaced."""
+    """/dev/stdout, a pipe, ...: written in place, not replaced by a new file as a regular file is."""
     return str(Path(path).absolute()).startswith(("/dev/", "/proc/")) or Path(path).exists() and not Path(path).is_file()
 
 
@@ -380,9 +380,11 @@ def write_device(path, content):
         with contextlib.suppress(OSError, ValueError):  # no such device, or a stream that is no file (a test's capture)
             return os.path.samestat(os.stat(path), os.fstat(stream.fileno()))
     if stream := next((s for s in (sys.stdout, sys.stderr) if ours(s)), None):
-        stream.flush()
-        return stream.buffer.write(content), stream.flush()
-    path.write_bytes(content)
+        stream.flush()  # what was printed before comes first
+        stream.buffer.write(content)
+        stream.buffer.flush()
+    else:
+        path.write_bytes(content)
 
 
 def worker_pool(processes):
