@@ -39,7 +39,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse's, but a bad flag is refused in one line, not after the whole usage (--help shows it)."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        # Under torchrun every process reads the same flags: the first of each machine says what is wrong.
+        self.exit(2, f"{self.prog}: error: {message}\n" if os.environ.get("LOCAL_RANK", "0") == "0" else None)
 
     def parse_args(self, args=None, namespace=None):
         """An empty value (`--data_root "$DATA"`, the variable unset) is refused, not read as the default."""

@@ -208,6 +208,17 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_wo
     assert os.listdir(tmp_path) == []
 
 
+def test_under_torchrun_a_bad_flag_is_said_by_the_first_process_of_each_machine(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for local_rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as exit:
+            train.main(adapt.main, ["--epochs", "0"])
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and len(err.splitlines()) == err.count(": error: --epochs 0: expected a value >= 1") == lines
+    assert os.listdir(tmp_path) == []
+
+
 def test_more_torchrun_processes_than_gpus_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
