@@ -45,8 +45,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """An empty value (`--data_root "$DATA"`, the variable unset) is refused, not read as the default."""
         parsed = super().parse_args(args, namespace)
-        values = vars(parsed).items()
-        if empty := [name for name, value in values if value == "" or isinstance(value, list) and "" in value]:
+        if empty := [name for name, value in vars(parsed).items() if value == "" or isinstance(value, list) and "" in value]:
             self.error(f"--{empty[0]}: expected a value, got an empty string")
         return parsed
 
@@ -355,8 +354,12 @@ def write_file(path, content):
     """Text or bytes into the file `path`, whole or not at all (a full disk: one line, no cut file); a device in place."""
     path, content = Path(path), content.encode() if isinstance(content, str) else content
     try:
-        if is_device(path):
-            return write_device(path, content)
+        if stream := standard_stream(path):  # opened anew, a file it goes to would be cut short, then written over
+            stream.flush()  # what was printed before comes first
+            stream.buffer.write(content)
+            return stream.buffer.flush()
+        if is_device(path):  # a pipe, /dev/null, ...
+            return path.write_bytes(content)
         (target := path.resolve()).parent.mkdir(parents=True, exist_ok=True)  # a link: the file it names is replaced
         tmp = scratch(target, "tmp")
         try:
@@ -369,23 +372,18 @@ def write_file(path, content):
         raise InputError(f"{path}: cannot write it ({e.strerror})") from None
 
 
+def standard_stream(path):
+    """sys.stdout or sys.stderr if it writes to `path` (/dev/stdout, or the file it is redirected to), else None."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # no such file, or a stream that is no file (a test's capture)
+            if os.path.samestat(os.stat(path), os.fstat(stream.fileno())):
+                return stream
+
+
 def is_device(path):
-    """/dev/stdout, a pipe, ...: written in place, not replaced by a new file as a regular file is."""
-    return str(Path(path).absolute()).startswith(("/dev/", "/proc/")) or Path(path).exists() and not Path(path).is_file()
-
-
-def write_device(path, content):
-    """Our own stdout or stderr goes through its stream: opened anew, a file it is redirected to would be cut
-    short, and the stream's next lines would land over `content`."""
-    def ours(stream):
-        with contextlib.suppress(OSError, ValueError):  # no such device, or a stream that is no file (a test's capture)
-            return os.path.samestat(os.stat(path), os.fstat(stream.fileno()))
-    if stream := next((s for s in (sys.stdout, sys.stderr) if ours(s)), None):
-        stream.flush()  # what was printed before comes first
-        stream.buffer.write(content)
-        stream.buffer.flush()
-    else:
-        path.write_bytes(content)
+    """Written in place, never replaced: our own stdout or stderr, a pipe, /dev/null, ..."""
+    path = Path(path)
+    return standard_stream(path) is not None or path.exists() and not (path.is_file() or path.is_dir())
 
 
 def worker_pool(processes):

@@ -429,11 +429,9 @@ def caption_one_pair(captioner, args, device):
 def check_outputs(outputs, overwrite):
     """Refused before any scoring and creating nothing: replacing a result unless told to, ending a run (a
     metrics.json beside its last.pt or .lock), a file that cannot be written. outputs: (flag, path or None) pairs."""
-    for flag, path in ((flag, Path(p)) for flag, p in outputs if p):
+    for flag, path in ((flag, Path(p)) for flag, p in outputs if p and not data.is_device(p)):  # devices replace nothing
         if path.is_dir():
             raise InputError(f"{path} is a folder: expected a file to write ({flag})")
-        if data.is_device(path):  # /dev/stdout, a pipe: written in place, replacing nothing
-            continue
         if path.name == "metrics.json" and not path.exists() and any((path.parent / n).exists() for n in ("last.pt", ".lock")):
             raise InputError(f"{flag}: {path.parent} holds a run that has not finished, which a metrics.json would mark "
                              f"as finished (--resume refuses it then); give another {flag}")
