@@ -83,6 +83,9 @@ def build_model(cfg):
         raise InputError(f"--clip {cfg.clip}: read only with --init openai, and this run starts from random weights")
     clip = clip_weights.load(cfg.clip) if cfg.init == "openai" else None
     clip_config = clip.config if clip is not None else SMALL_CLIP if cfg.preset == "small" else CLIPConfig()
+    if clip_config.context_length < CLIP4IDCConfig.context_length:  # a --clip file's
+        raise InputError(f"--clip {cfg.clip}: {clip_config.context_length} text positions; expected at least "
+                         f"{CLIP4IDCConfig.context_length}, the length of a caption in tokens")
     if cfg.n_intra + cfg.n_inter != clip_config.vision_layers:
         name = cfg.clip if clip is not None else cfg.preset
         raise InputError(f"--n_intra {cfg.n_intra} + --n_inter {cfg.n_inter} must equal the "

@@ -254,6 +254,9 @@ def config_from_state_dict(sd, name="checkpoint", prefix=""):
     if min(vision_width, text_width) < 64:  # OpenAI's ViTs all use 64-dim heads
         raise InputError(f"{name}: vision width {vision_width}, text width {text_width}: expected at least 64 each, "
                          "as CLIP's 64-wide attention heads need")
+    if (vocab_size := sd["token_embedding.weight"].shape[0]) != CLIPConfig.vocab_size:
+        raise InputError(f"{name}: a vocabulary of {vocab_size} tokens; expected CLIP's {CLIPConfig.vocab_size}, the ids "
+                         "its BPE tokenizer writes")
     return CLIPConfig(
         embed_dim=sd["text_projection"].shape[1],
         image_size=patch_size * grid,
@@ -262,7 +265,7 @@ def config_from_state_dict(sd, name="checkpoint", prefix=""):
         vision_layers=count_blocks(sd, "visual.transformer.resblocks.", name, prefix),
         vision_heads=vision_width // 64,  # OpenAI's ViTs all use 64-dim heads
         context_length=sd["positional_embedding"].shape[0],
-        vocab_size=sd["token_embedding.weight"].shape[0],
+        vocab_size=vocab_size,
         text_width=text_width,
         text_layers=count_blocks(sd, "transformer.resblocks.", name, prefix),
         text_heads=text_width // 64,
@@ -329,11 +332,10 @@ def download(url, root=CACHE_DIR):
 
 def fetch(url, out, target):
     """Stream `url` into the open file `out` with a progress line on stderr; return the SHA-256."""
-    digest, start = hashlib.sha256(), time.time()
+    digest, start, done = hashlib.sha256(), time.time(), 0
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
             total = int(response.headers.get("Content-Length") or 0)
-            done = 0
             while chunk := response.read(CHUNK):
                 out.write(chunk)
                 digest.update(chunk)
@@ -343,7 +345,9 @@ def fetch(url, out, target):
         there = ", in place of the file there, whose SHA-256 differs" if target.is_file() else ""
         raise ConnectionError(f"cannot download {url} ({e}). No network? Download the file elsewhere "
                               f"and put it at {target}{there}, or give its path as --clip") from e
-    print(file=sys.stderr)
+    finally:
+        if done:  # the progress line ends before what follows, an error too
+            print(file=sys.stderr)
     return digest.hexdigest()
 
 

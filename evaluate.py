@@ -15,8 +15,9 @@ Captioning follows the IDC protocol of Sec. 3.1: BLEU-1..4, METEOR, ROUGE-L and 
 pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR run on Java.
 """
 import argparse
+import contextlib
 import json
-import shutil
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -152,15 +153,17 @@ def predict(captioner, items, device, store=None, amp="auto", workers=-1, progre
     autocast, _ = train.mixed_precision(device, amp)
     size = captioner.encoder.config.clip.image_size
     preds, start = {}, time.time()
-    for index, before, after in data.make_loader(data.EvalDataset(items, size, store), EVAL_BATCH, device, workers):
-        with autocast:
-            ids = captioner.generate(before.to(device), after.to(device))
-        preds.update((items[i].id, text) for i, text in zip(index.tolist(), ids_to_text(ids)))
-        if progress:
-            eta = data.format_eta((len(items) - len(preds)) * (time.time() - start) / len(preds))
-            print(f"\rcaptioned {len(preds)}/{len(items)} pairs, eta {eta}", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
+    try:
+        for index, before, after in data.make_loader(data.EvalDataset(items, size, store), EVAL_BATCH, device, workers):
+            with autocast:
+                ids = captioner.generate(before.to(device), after.to(device))
+            preds.update((items[i].id, text) for i, text in zip(index.tolist(), ids_to_text(ids)))
+            if progress:
+                eta = data.format_eta((len(items) - len(preds)) * (time.time() - start) / len(preds))
+                print(f"\rcaptioned {len(preds)}/{len(items)} pairs, eta {eta}", end="", file=sys.stderr, flush=True)
+    finally:
+        if progress and preds:  # the progress line ends before what follows, an error too
+            print(file=sys.stderr)
     return preds
 
 
@@ -170,10 +173,20 @@ CAPTION_METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", 
 def require_java():
     """Scoring captions runs Java: callers check once their inputs pass and before the work, so that
     bad input is named as such on any machine, and no run trains or predicts for nothing."""
-    if shutil.which("java") is None:
-        raise InputError("scoring captions needs a Java runtime (METEOR and the PTB tokenizer of pycocoevalcap "
-                         "run in it), but `java` is not on PATH: install one, e.g. `apt-get install "
-                         "default-jre-headless` (Debian/Ubuntu) or `conda install openjdk`")
+    try:  # a `java` that only says there is none (macOS's, without a JDK) is refused too
+        run = subprocess.run(["java", "-version"], capture_output=True, text=True, errors="replace")
+        fault = f"`java -version` fails ({java_said(run.stderr) or f'exit status {run.returncode}'})" if run.returncode else ""
+    except OSError as e:
+        fault = "`java` is not on PATH" if isinstance(e, FileNotFoundError) else f"`java` cannot run ({e})"
+    if fault:
+        raise InputError("scoring captions needs a Java runtime (METEOR and the PTB tokenizer of pycocoevalcap run in "
+                         f"it), but {fault}: install one, e.g. `apt-get install default-jre-headless` (Debian/Ubuntu) "
+                         "or `conda install openjdk`")
+
+
+def java_said(output):
+    """Java's own words from its output: the lines of a failure but not the stack trace under them."""
+    return "; ".join(line.strip() for line in output.splitlines() if line.strip() and not line[0].isspace())[:300]
 
 
 def id_mismatch(refs, preds):
@@ -199,6 +212,9 @@ def ptb_tokenize(refs, preds):
     captions = {("ref", k): [{"caption": " ".join(c.split())} for c in v] for k, v in refs.items()}
     captions.update({("pred", k): [{"caption": " ".join(c.split())}] for k, c in preds.items()})
     tokens = PTBTokenizer().tokenize(captions)
+    if sum(map(len, tokens.values())) != sum(map(len, captions.values())):  # Java failed
+        raise InputError("the PTB tokenizer of pycocoevalcap (run in Java) did not give back a line for each caption "
+                         "(Java says why above)")
     return {k: tokens[("ref", k)] for k in refs}, {k: tokens[("pred", k)] for k in refs}
 
 
@@ -212,6 +228,12 @@ def meteor(gts, res):
     scorer = Meteor()
     try:
         return 100.0 * float(scorer.compute_score(gts, res)[0])
+    except (ValueError, OSError):  # no score came, or its pipe closed: the Java program has ended
+        scorer.meteor_p.kill()
+        with contextlib.suppress(OSError):  # else the scorer's clean-up says the same pipe is closed, in a traceback
+            scorer.meteor_p.stdin.close()
+        said = java_said(scorer.meteor_p.stderr.read().decode(errors="replace")) or "it ended without a word"
+        raise InputError(f"METEOR (pycocoevalcap's meteor-1.5.jar, run in Java) stopped: {said}") from None
     finally:
         if scorer.lock.locked():
             scorer.lock.release()
@@ -375,7 +397,7 @@ def score_checkpoint(args, device):
 
 
 def score_predictions(args):
-    items = data.eval_items(data.read_split(args.data, args.data_root, args.split))
+    items = data.eval_items(data.read_split(args.data, args.data_root, args.split, images=False))  # text only
     preds = read_predictions(args.predictions)
     if mismatch := id_mismatch({item.id: item.captions for item in items}, preds):
         raise InputError(f"{args.predictions}: its ids are not those of the {args.split} split of {args.data_root}: "
@@ -412,7 +434,8 @@ def caption_pairs(captioner, args, device):
     lines = [json.dumps({"before": str(p.before), "after": str(p.after), "caption": preds[p.id]}) for p in items]
     if args.out:
         data.write_file(args.out, "\n".join(lines) + "\n")
-        print(f"wrote {len(lines)} captions to {args.out}")
+        if data.standard_stream(args.out) is not sys.stdout:  # else it would end the captions' JSON lines
+            print(f"wrote {len(lines)} captions to {args.out}")
     else:
         print("\n".join(lines))
 

@@ -161,14 +161,14 @@ def differences(saved, now, prefix=""):
     return changed
 
 
-def check_run_folder(cfg):
+def check_run_folder(cfg, held=False):
     """--out_dir may hold an earlier run only with --resume (same settings, not finished) or --overwrite, and
-    none that is training."""
+    none that is training. `held`: checked again once this run holds the lock, as another may have written since."""
     out = Path(cfg.out_dir)
     data.check_writable(out, "--out_dir")
     earlier = [name for name in RUN_FILES if (out / name).exists()]
-    if (out / ".lock").is_file() and os.environ.get("RANK", "0") == "0":  # a run trains there: refused now
-        with open(out / ".lock", "a") as lock:  # closing it lets go; the file stays for whoever has it open
+    if not held and (out / ".lock").is_file() and os.environ.get("RANK", "0") == "0":  # a run trains there
+        with open(out / ".lock", "a") as lock:  # closing it lets go (of this process's lock too, were it held)
             take_lock(lock, out)
     if cfg.resume and cfg.overwrite:
         raise InputError("--resume continues the run in --out_dir and --overwrite starts it anew: give one")
@@ -193,7 +193,7 @@ def check_run_folder(cfg):
             raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
                              f"{changed}; resume with the same ones")
     elif earlier and not cfg.overwrite:
-        resume = "--resume to continue it, " if (out / "last.pt").is_file() else ""  # no last.pt: nothing resumes
+        resume = "--resume to continue it, " * ("last.pt" in earlier and "metrics.json" not in earlier)  # unfinished
         raise InputError(f"{out} holds an earlier run ({', '.join(earlier)}): pass {resume}--overwrite to start it "
                          "anew, or another --out_dir")
 
@@ -460,6 +460,8 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
         checkpoint()
 
     with locked(out) if rank() == 0 else nullcontext():
+        if rank() == 0:
+            check_run_folder(cfg, held=True)
         barrier()
         if cfg.resume:
             state = resume(out / "last.pt", run, saved["model_config"])

@@ -1,6 +1,7 @@
 """Bad or unusual input, as a new user or an adversarial tester would give it: each is refused with
 one line naming the flag, file or id and what was expected (exit status 2, no traceback), and
 nothing on disk changes; or it is handled as the user meant it."""
+import contextlib
 import errno
 import json
 import logging
@@ -30,6 +31,7 @@ import synth
 import train
 import tokenizer
 from data import InputError
+from model import CLIP, CLIPConfig
 
 SMALL = ["--data", "synth", "--epochs", "1", "--max_steps", "2", "--batch_size", "16", "--workers", "0"]
 
@@ -80,14 +82,18 @@ def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(root, tmp_path, ca
     train.main(adapt.main, [str(f) for f in flags])
     before = snapshot(out)
     assert sorted(p.name for p in before) == ["best.pt", "last.pt", "metrics.json"]
-    error = error_of(capsys, adapt.main, *flags)
-    assert error.endswith(f"{out} holds an earlier run (last.pt, best.pt, metrics.json): pass --resume to continue "
-                          "it, --overwrite to start it anew, or another --out_dir")
+    error = error_of(capsys, adapt.main, *flags)  # finished: nothing is left to resume, and --resume is not offered
+    assert error.endswith(f"{out} holds an earlier run (last.pt, best.pt, metrics.json): pass --overwrite to start it "
+                          "anew, or another --out_dir")
     assert snapshot(out) == before
     assert error_of(capsys, adapt.main, *flags, "--resume").endswith(
         f"--resume: {out} holds a finished run ({out / 'metrics.json'}), nothing is left to train: score its best.pt "
         "with evaluate.py, or pass --overwrite to train it anew")
     assert snapshot(out) == before
+    (out / "metrics.json").rename(tmp_path / "metrics.json")  # as if killed while it scored the test split
+    assert error_of(capsys, adapt.main, *flags).endswith(f"{out} holds an earlier run (last.pt, best.pt): pass --resume "
+                                                         "to continue it, --overwrite to start it anew, or another --out_dir")
+    (tmp_path / "metrics.json").rename(out / "metrics.json")
     (out / "last.pt").rename(tmp_path / "last.pt")  # without it there is nothing to resume: --resume is not offered
     assert error_of(capsys, adapt.main, *flags).endswith(f"{out} holds an earlier run (best.pt, metrics.json): pass "
                                                          "--overwrite to start it anew, or another --out_dir")
@@ -97,6 +103,22 @@ def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(root, tmp_path, ca
     train.main(adapt.main, [str(f) for f in flags + ["--overwrite", "--seed", "7"]])
     assert sorted(p.name for p in out.iterdir()) == ["best.pt", "last.pt", "metrics.json", "notes.tmp"]
     assert torch.load(out / "last.pt", weights_only=True)["config"]["seed"] == 7
+
+
+def test_a_run_finished_in_the_folder_while_another_started_there_is_kept(root, stage_1, tmp_path, capsys, monkeypatch):
+    """Two runs started together on one folder: the later to reach training finds the other's results there."""
+    out, lock = tmp_path / "run", train.locked
+
+    @contextlib.contextmanager
+    def finished_meanwhile(folder):  # the other run trained, scored and let go while this one started
+        shutil.copytree(stage_1, folder, dirs_exist_ok=True)
+        with lock(folder):
+            yield
+    monkeypatch.setattr(train, "locked", finished_meanwhile)
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out)
+    assert error.endswith(f"{out} holds an earlier run (last.pt, best.pt, metrics.json): pass --overwrite to start it "
+                          "anew, or another --out_dir")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in stage_1.iterdir()}
 
 
 HOLD = """
@@ -791,6 +813,17 @@ def test_a_clip_file_that_is_not_clip_is_named(root, tmp_path, capsys):
     assert error.endswith(f"{tmp_path / 'foreign.pt'}: not a CLIP ViT checkpoint: missing keys ['visual.conv1.weight', "
                           "'visual.positional_embedding', 'visual.proj', 'positional_embedding', 'token_embedding.weight', "
                           "'ln_final.weight', 'text_projection']")
+
+
+def test_a_clip_file_with_too_few_text_positions_for_a_caption_is_named(root, tmp_path, capsys):
+    config = CLIPConfig(embed_dim=64, image_size=32, patch_size=16, vision_width=64, vision_layers=2, vision_heads=1,
+                        context_length=16, text_width=64, text_layers=1, text_heads=1)
+    torch.save(CLIP(config).state_dict(), tmp_path / "short.pt")
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "a", "--preset",
+                     "vit-b/32", "--init", "openai", "--clip", tmp_path / "short.pt", "--n_intra", 1, "--n_inter", 1)
+    assert error.endswith(f"--clip {tmp_path / 'short.pt'}: 16 text positions; expected at least 32, the length of a "
+                          "caption in tokens")
+    assert not (tmp_path / "a").exists()
 
 
 @pytest.mark.parametrize("content, message", [

@@ -110,6 +110,30 @@ def test_missing_java_is_explained(tmp_path, monkeypatch):
         caption_metrics(REFS, PREDS)
 
 
+def test_a_java_that_only_says_there_is_none_is_explained(tmp_path, monkeypatch):
+    """macOS has a `java` without any JDK installed: it says so and fails."""
+    (tmp_path / "java").write_text('#!/bin/sh\necho "Unable to locate a Java Runtime." >&2\n'
+                                   'printf "\\tat the stack trace\\n" >&2\nexit 1\n')
+    (tmp_path / "java").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/bin:/usr/bin")
+    with pytest.raises(InputError, match=r"needs a Java runtime .*, but `java -version` fails \(Unable to locate a "
+                                         r"Java Runtime\.\): install one"):
+        caption_metrics(REFS, PREDS)
+
+
+def test_a_java_program_of_pycocoevalcap_that_fails_is_named(monkeypatch):
+    """A METEOR whose files are gone, say, ends in one line with Java's words, not with a traceback."""
+    import pycocoevalcap.meteor.meteor as meteor
+    monkeypatch.setattr(meteor, "METEOR_JAR", "gone.jar")
+    with pytest.raises(InputError, match=r"^METEOR \(pycocoevalcap's meteor-1.5.jar, run in Java\) stopped: "
+                                         "Error: Unable to access jarfile gone.jar$"):
+        caption_metrics(REFS, PREDS, only=("METEOR",))
+    import pycocoevalcap.tokenizer.ptbtokenizer as ptb
+    monkeypatch.setattr(ptb, "STANFORD_CORENLP_3_4_1_JAR", "gone.jar")
+    with pytest.raises(InputError, match="the PTB tokenizer of pycocoevalcap .* did not give back a line for each"):
+        caption_metrics(REFS, PREDS, only=("CIDEr",))
+
+
 def test_format_table_like_tables_1_and_2():
     metrics = {"BLEU-1": 80.0, "BLEU-2": 70.0, "BLEU-3": 60.0, "BLEU-4": 56.94, "METEOR": 38.36,
                "ROUGE-L": 76.44, "CIDEr": 150.66}

@@ -147,5 +147,18 @@ def test_unreadable_image_is_named(tmp_path, capsys):
     assert f"{tmp_path / 'notes.png'}: cannot read image" in error
 
 
+def test_an_image_found_unreadable_while_captioning_comes_after_the_progress_line(tmp_path, capsys):
+    save_checkpoint(tiny_captioner(), tmp_path / "best.pt")
+    before, after = write_pair(tmp_path)
+    (tmp_path / "notes.png").write_text("not an image")
+    lines = [f"{before.name} {after.name}"] * evaluate.EVAL_BATCH + [f"{before.name} notes.png"]
+    (tmp_path / "pairs.txt").write_text("\n".join(lines))
+    with pytest.raises(SystemExit):
+        train.main(evaluate.main, ["--ckpt", str(tmp_path / "best.pt"), "--pairs", str(tmp_path / "pairs.txt")])
+    progress, error, end = capsys.readouterr().err.split("\n")
+    assert progress.startswith("\rcaptioned 64/65 pairs, eta ") and end == ""
+    assert error.split(": error: ")[1].startswith(f"{tmp_path / 'notes.png'}: cannot read image")
+
+
 def test_pair_needs_a_checkpoint(capsys):
     assert "--ckpt with one of --pair, --pairs, --data_root" in cli_error(capsys, "--pair", "a.png", "b.png")

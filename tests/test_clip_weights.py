@@ -4,6 +4,7 @@ import hashlib
 import re
 import http.server
 import socket
+import struct
 import threading
 import zipfile
 
@@ -59,6 +60,12 @@ def test_a_width_below_one_attention_head_is_named(tmp_path):
     narrow = dataclasses.replace(TINY, embed_dim=32, vision_width=32, text_width=32)
     with pytest.raises(ValueError, match="vision width 32, text width 32: expected at least 64"):
         clip_weights.load(save(CLIP(narrow).state_dict(), tmp_path / "narrow.pt"))
+
+
+def test_a_vocabulary_other_than_the_tokenizers_is_named(tmp_path):
+    other = dataclasses.replace(TINY, vocab_size=1000)
+    with pytest.raises(ValueError, match="a vocabulary of 1000 tokens; expected CLIP's 49408, the ids its BPE"):
+        clip_weights.load(save(CLIP(other).state_dict(), tmp_path / "other.pt"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +189,28 @@ def test_download_caches_and_reuses(server, tiny_sd, tmp_path, monkeypatch, caps
 
     clip_weights.load("ViT-B/32", root=cache)
     assert len(server.requests) == 1  # the cached file's hash matched: no second request
+
+
+def test_a_download_cut_off_ends_its_progress_line_before_the_error(tmp_path, monkeypatch, capsys):
+    progressed, shown = threading.Event(), clip_weights.progress
+    monkeypatch.setattr(clip_weights, "progress", lambda *args: (shown(*args), progressed.set()))
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+
+    def serve(server):  # half of the file, then the connection is reset
+        connection, _ = server.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2000000\r\n\r\n" + bytes(clip_weights.CHUNK))
+            progressed.wait(30)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close by a reset
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        threading.Thread(target=serve, args=(server,), daemon=True).start()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/{'0' * 64}/ViT-B-32.pt"
+        with pytest.raises(ConnectionError, match="^cannot download .*Connection reset by peer"):
+            clip_weights.download(url, tmp_path / "cache")
+    assert re.fullmatch(r"\rdownloading ViT-B-32.pt:  52% \(1.0/2.0 MB, eta \dm\d\ds\)\n", capsys.readouterr().err)
+    assert not (tmp_path / "cache").exists()
 
 
 def test_corrupt_cached_file_is_downloaded_again(server, tmp_path):

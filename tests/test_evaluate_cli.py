@@ -78,6 +78,26 @@ def test_metrics_to_dev_stdout_follow_the_table_in_a_redirected_file(root, preds
     assert json.loads("{" + metrics)["test"]["per_type"]["move"] > 100
 
 
+def test_captions_to_dev_stdout_in_a_redirected_file_are_json_lines_alone(ckpt, tmp_path):
+    before, after = write_pair(tmp_path)
+    (tmp_path / "pairs.txt").write_text(f"{before.name} {after.name}\n" * 2)
+    with (tmp_path / "captions.jsonl").open("w") as stdout:
+        subprocess.run([sys.executable, "evaluate.py", "--ckpt", ckpt, "--pairs", tmp_path / "pairs.txt", "--out",
+                        "/dev/stdout"], cwd=Path(__file__).parent.parent, stdout=stdout, check=True)
+    lines = (tmp_path / "captions.jsonl").read_text().splitlines()
+    assert [json.loads(line)["after"] for line in lines] == [str(after)] * 2
+
+
+def test_predictions_are_scored_with_the_annotation_files_alone(root, preds, tmp_path, capsys):
+    """Scoring text reads no image: a dataset's json files are enough."""
+    annotations = tmp_path / "annotations"
+    annotations.mkdir()
+    for path in root.glob("*.json"):
+        shutil.copy(path, annotations)
+    evaluate.main([str(a) for a in ["--predictions", preds, "--data", "clevr", "--data_root", annotations]])
+    assert capsys.readouterr().out.startswith("clevr test: 30 image pairs\n")
+
+
 def test_duplicate_predictions_are_rejected(tmp_path):
     path = tmp_path / "preds.json"
     path.write_text(json.dumps([{"image_id": "000001.png", "caption": c} for c in ("a", "b")]))
