@@ -362,11 +362,13 @@ def save_results(out, results, split=None, preds=None):
 
 
 def load_model(args, device):
-    """--ckpt's model. The authors' files do not record the layer split or the captioner's heads:
-    --n_intra and --heads give them (their released models: 9 and 8); ours do, and a flag that
-    disagrees with the file is an error, not a silent no-op."""
+    """--ckpt's model, and as args.amp the --amp its run was scored under ("auto" for the authors' files). The
+    authors' files do not record the layer split or the captioner's heads: --n_intra and --heads give them
+    (their released models: 9 and 8); ours do, and a flag that disagrees with the file is an error."""
     model = clip_weights.load_checkpoint(args.ckpt, device, 9 if args.n_intra is None else args.n_intra,
                                          8 if args.heads is None else args.heads)
+    config = clip_weights.read_checkpoint(args.ckpt, mmap=True).get("config")  # ours; the authors' files have none
+    args.amp = config.get("amp", "auto") if isinstance(config, dict) else "auto"  # another could change captions
     encoder = model.encoder if isinstance(model, Captioner) else model
     held = dict(n_intra=encoder.config.n_intra, heads=model.config.heads if isinstance(model, Captioner) else None)
     for flag, value in held.items():
@@ -388,9 +390,9 @@ def score_checkpoint(args, device):
     if isinstance(model, Captioner):
         train_pairs = data.read_split(args.data, args.data_root, "train", images=False)  # the blind baseline's captions
         require_java()
-        preds, results = score_captions(model, data.eval_items(pairs), train_pairs, args.split, device)
+        preds, results = score_captions(model, data.eval_items(pairs), train_pairs, args.split, device, amp=args.amp)
     else:
-        preds, results = None, {args.split: retrieval(model, pairs, device)}
+        preds, results = None, {args.split: retrieval(model, pairs, device, amp=args.amp)}
         print(f"{args.data} {args.split}: {len(pairs)} image pairs\n{format_retrieval(results[args.split])}")
     if args.out_dir:
         save_results(args.out_dir, results, args.split, preds)
@@ -430,7 +432,7 @@ def caption_pairs(captioner, args, device):
     """Every pair of --pairs, captioned: one JSON object a line, to --out or the standard output."""
     pairs = read_pair_list(args.pairs)
     items = [data.Pair(str(n), before, after, []) for n, (before, after) in enumerate(pairs)]
-    preds = predict(captioner, items, device, workers=0, progress=True)
+    preds = predict(captioner, items, device, amp=args.amp, workers=0, progress=True)
     lines = [json.dumps({"before": str(p.before), "after": str(p.after), "caption": preds[p.id]}) for p in items]
     if args.out:
         data.write_file(args.out, "\n".join(lines) + "\n")
@@ -443,7 +445,8 @@ def caption_pairs(captioner, args, device):
 def caption_one_pair(captioner, args, device):
     size = captioner.encoder.config.clip.image_size
     before, after = (data.read_pixels(p, size)[None].to(device) for p in args.pair)
-    print(ids_to_text(captioner.generate(before, after))[0])
+    with train.mixed_precision(device, args.amp)[0]:
+        print(ids_to_text(captioner.generate(before, after))[0])
     if args.attention:
         data.write_file(args.attention, figures.attention_file(captioner, before, after, args.pair, args.attention))
         print(f"wrote {args.attention}")

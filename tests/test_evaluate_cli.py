@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
+import clip_weights
 import data
 import evaluate
 import train
@@ -96,6 +98,18 @@ def test_predictions_are_scored_with_the_annotation_files_alone(root, preds, tmp
         shutil.copy(path, annotations)
     evaluate.main([str(a) for a in ["--predictions", preds, "--data", "clevr", "--data_root", annotations]])
     assert capsys.readouterr().out.startswith("clevr test: 30 image pairs\n")
+
+
+def test_a_checkpoint_is_scored_under_the_amp_its_run_was_scored_under(root, tmp_path):
+    """As caption.py scored the test split at its end, so that evaluate.py gives the same captions."""
+    captioner = tiny_captioner()
+    torch.save({"model": captioner.state_dict(), "model_config": clip_weights.model_config(captioner),
+                "config": {"amp": "bf16"}}, tmp_path / "best.pt")
+    items = data.eval_items(data.read_split("clevr", root, "test"))
+    bf16, fp32 = (evaluate.predict(captioner, items, torch.device("cpu"), amp=amp, workers=0) for amp in ("bf16", "off"))
+    assert bf16 != fp32  # else this test could not tell them apart
+    evaluate.main([str(a) for a in ["--ckpt", tmp_path / "best.pt", "--data_root", root, "--out_dir", tmp_path / "run"]])
+    assert evaluate.read_predictions(tmp_path / "run" / "test_predictions.json") == bf16
 
 
 def test_duplicate_predictions_are_rejected(tmp_path):
