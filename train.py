@@ -9,7 +9,8 @@ Several GPUs, on one machine or many, run through torchrun (NCCL on CUDA, gloo o
 
 --batch_size is the global batch, split evenly over the processes, so the paper's settings mean the
 same on any number of GPUs. Each process reads its slice of every global batch; rank 0 alone
-prints, generates data, builds the image store, validates, and writes checkpoints and metrics.
+prints, validates, and writes checkpoints and metrics. Rank 0, then the first process of each other
+machine, generates data and builds the image store where they are missing.
 """
 import argparse
 import dataclasses
@@ -54,6 +55,7 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
 RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
                "out_dir", "patience", "clip", "init_from")
 RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")  # what a run writes
+training_begun = False  # until then, the processes of a machine read the same flags and files, and fail alike
 
 
 # ---- Flags, run folder, processes, device and precision -----------------------------------------
@@ -66,7 +68,8 @@ def main(run, argv=None):
     except data.ONE_LINE_ERRORS as e:
         if (message := data.error_line(e)) is None:
             raise
-        print(f"{name}: error: {message}", file=sys.stderr)
+        if training_begun or os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun, one line a machine till then
+            print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
     except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
         status = data.end_interrupted(name)
@@ -286,11 +289,13 @@ def mixed_precision(device, amp):
 # ---- Data: splits and image store (their order and loaders: data.py) ----------------------------
 def prepare_data(cfg, image_size, samples=len):
     """The three splits and, with --cache, the ImageStore of all their images at the model's input
-    size. Rank 0 generates and builds what is missing while the others wait, then they read it.
+    size. Rank 0 generates and builds what is missing while the others wait; then the first process of
+    each other machine, whose data may lie on a disk of its own; then the others read it.
     samples(train pairs): the stage's training samples, which --resume compares before any image is stored."""
-    if rank() != 0:
+    turn = 0 if rank() == 0 else 1 if os.environ.get("LOCAL_RANK", "0") == "0" else 2  # then two barriers in all
+    for _ in range(turn):
         barrier()
-    if cfg.data == "synth" and rank() == 0:
+    if cfg.data == "synth" and turn < 2:
         synth.ensure_synth(cfg.data_root)
     splits = {split: data.read_split(cfg.data, cfg.data_root, split) for split in ("train", "val", "test")}
     last, now = Path(cfg.out_dir) / "last.pt", samples(splits["train"])
@@ -301,7 +306,7 @@ def prepare_data(cfg, image_size, samples=len):
     require_batch(cfg.batch_size, now)  # before any image is stored
     pairs = [p for s in splits.values() for p in s]
     store = image_store.ImageStore(pairs, image_size, cfg.data_root) if cfg.cache else None
-    if rank() == 0:
+    for _ in range(2 - turn):
         barrier()
     return splits, store
 
@@ -407,6 +412,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     best model goes to best.pt. Resumable from last.pt with --resume. `before` (metrics measured
     before the first step) is kept in the run's state, which fit returns.
     """
+    global training_begun
     out, device = Path(cfg.out_dir), next(model.parameters()).device
     autocast, scaler = mixed_precision(device, cfg.amp)
     require_batch(cfg.batch_size, len(train_set))
@@ -463,6 +469,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
         if rank() == 0:
             check_run_folder(cfg, held=True)
         barrier()
+        training_begun = True  # from here a process may fail its own way (on its slice of the data): each says it
         if cfg.resume:
             state = resume(out / "last.pt", run, saved["model_config"])
         while state["step"] < total and not state["stopped"]:

@@ -230,14 +230,19 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_wo
     assert os.listdir(tmp_path) == []
 
 
-def test_under_torchrun_a_bad_flag_is_said_by_the_first_process_of_each_machine(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("flag, error", [("--epochs=0", "--epochs 0: expected a value >= 1"),
+                                         ("--batch_size=15", "--batch_size 15 does not split evenly over 2 processes")])
+def test_under_torchrun_bad_input_is_said_by_the_first_process_of_each_machine(flag, error, tmp_path, capsys, monkeypatch):
+    """Till training begins, the processes of a machine read the same flags and files and fail alike."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(train, "training_begun", False)  # as a process starts
     for local_rank, lines in (("0", 1), ("1", 0)):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         with pytest.raises(SystemExit) as exit:
-            train.main(adapt.main, ["--epochs", "0"])
+            train.main(adapt.main, [flag])
         err = capsys.readouterr().err
-        assert exit.value.code == 2 and len(err.splitlines()) == err.count(": error: --epochs 0: expected a value >= 1") == lines
+        assert exit.value.code == 2 and len(err.splitlines()) == err.count(f": error: {error}") == lines
     assert os.listdir(tmp_path) == []
 
 
@@ -245,8 +250,8 @@ def test_more_torchrun_processes_than_gpus_are_refused_before_any_work(tmp_path,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    for name, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
-        monkeypatch.setenv(name, value)  # the second process of `torchrun --nproc_per_node 2`
+    for name, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)  # the first process of `torchrun --nproc_per_node 2`: all fail alike
     assert error_of(capsys, adapt.main).endswith("torchrun started 2 processes on this machine, one a GPU, but 1 CUDA "
                                                  "GPUs are visible: give --nproc_per_node 1 or less, or --device cpu")
     assert os.listdir(tmp_path) == [] and not torch.distributed.is_initialized()

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import image_store
 import synth
+import train as train_py
+from adapt import AdaptConfig
 
 ROOT = Path(__file__).parent.parent
 # gloo, on any machine: a CUDA host may have fewer GPUs than processes
@@ -145,3 +148,22 @@ def test_each_process_draws_its_own_dropout_masks(tmp_path):
                                 [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "masks differ" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("rank, local_rank, order", [
+    (0, 0, ["generated", "stored", "barrier", "barrier"]),  # rank 0 first, while all others wait
+    (2, 0, ["barrier", "generated", "stored", "barrier"]),  # then the first of another machine, which may have a
+    (3, 1, ["barrier", "barrier", "stored"]),  # disk of its own; then the others read what is there
+])
+def test_the_first_process_of_each_machine_readies_its_data_in_turn(rank, local_rank, order, tmp_path, monkeypatch):
+    synth.write_synth(tmp_path / "synth", 30, seed=1)
+    events = []
+    monkeypatch.setattr(train_py, "rank", lambda: rank)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setattr(train_py, "barrier", lambda: events.append("barrier"))
+    monkeypatch.setattr(synth, "ensure_synth", lambda root: events.append("generated"))
+    monkeypatch.setattr(image_store, "ImageStore", lambda *args: events.append("stored"))
+    cfg = AdaptConfig(data="synth", data_root=str(tmp_path / "synth"), out_dir=str(tmp_path / "out"), cache=True,
+                      batch_size=16)
+    train_py.prepare_data(cfg, 32)
+    assert events == order

@@ -186,6 +186,20 @@ def test_a_diverged_loss_stops_the_run_at_the_next_progress_line(tmp_path):
         fit(config(tmp_path, log_every=3), model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
 
 
+def test_once_training_has_begun_every_process_says_its_own_error(tmp_path, capsys, monkeypatch):
+    """Under torchrun a process may then fail on its own slice of the data: the second of a machine speaks too."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(train, "training_begun", False)  # as a process starts
+    torch.manual_seed(0)
+    model = tiny_pair_encoder()
+    forward = model.forward
+    model.forward = lambda *batch: forward(*batch) * float("nan")
+    with pytest.raises(SystemExit):
+        train.main(lambda argv: fit(config(tmp_path, log_every=3), model, ToyPairs(), lambda: (0.0, {}),
+                                    model.new_parameter_names(), "cosine"))
+    assert capsys.readouterr().err.endswith(": error: step 3: the loss is nan, training diverged: lower --lr or --lr_clip\n")
+
+
 def test_weights_gone_nan_are_not_saved_over_the_last_good_checkpoint(tmp_path):
     torch.manual_seed(0)
     model, steps = tiny_pair_encoder(), []
