@@ -362,13 +362,13 @@ def save_results(out, results, split=None, preds=None):
 
 
 def load_model(args, device):
-    """--ckpt's model, and as args.amp the --amp its run was scored under ("auto" for the authors' files). The
+    """--ckpt's model; args.amp, unless given, the --amp its run was scored under ("auto" for the authors'). The
     authors' files do not record the layer split or the captioner's heads: --n_intra and --heads give them
     (their released models: 9 and 8); ours do, and a flag that disagrees with the file is an error."""
     model = clip_weights.load_checkpoint(args.ckpt, device, 9 if args.n_intra is None else args.n_intra,
                                          8 if args.heads is None else args.heads)
     config = clip_weights.read_checkpoint(args.ckpt, mmap=True).get("config")  # ours; the authors' files have none
-    args.amp = config.get("amp", "auto") if isinstance(config, dict) else "auto"  # another could change captions
+    args.amp = args.amp or (config.get("amp", "auto") if isinstance(config, dict) else "auto")  # else other captions
     encoder = model.encoder if isinstance(model, Captioner) else model
     held = dict(n_intra=encoder.config.n_intra, heads=model.config.heads if isinstance(model, Captioner) else None)
     for flag, value in held.items():
@@ -481,6 +481,8 @@ def main(argv=None):
     parser.add_argument("--out_dir", help="with --ckpt --data_root: write metrics.json and <split>_predictions.json here")
     parser.add_argument("--overwrite", action="store_true", help="replace existing --out, --out_dir or --attention files")
     parser.add_argument("--device", help="with --ckpt: auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), help="with --ckpt: autocast (default: the "
+                        "--amp its run recorded, auto for the authors' files; auto is off on a CPU)")
     parser.add_argument("--n_intra", type=int, help="with an authors' --ckpt: layers that see one image (default: 9)")
     parser.add_argument("--heads", type=int, help="with an authors' stage-2 --ckpt: the captioner's heads (default: 8)")
     args = parser.parse_args(argv)
@@ -492,7 +494,7 @@ def main(argv=None):
         parser.error("give --predictions with --data_root, or --ckpt with one of --pair, --pairs, --data_root")
     if args.predictions and not args.data_root:
         parser.error("--predictions needs --data_root, the dataset it scores against")
-    ckpt = ("device", "n_intra", "heads")
+    ckpt = ("device", "amp", "n_intra", "heads")
     uses = {"predictions": ("data", "data_root", "split", "out"),
             "data_root": ("data", "data_root", "split", "out_dir", *ckpt), "pair": ("attention", *ckpt),
             "pairs": ("out", *ckpt)}

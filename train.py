@@ -55,7 +55,7 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
 RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
                "out_dir", "patience", "clip", "init_from")
 RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")  # what a run writes
-training_begun = False  # until then, the processes of a machine read the same flags and files, and fail alike
+training_begun = False  # till then, the processes of a machine read the same flags and files: bad input is alike
 
 
 # ---- Flags, run folder, processes, device and precision -----------------------------------------
@@ -68,7 +68,9 @@ def main(run, argv=None):
     except data.ONE_LINE_ERRORS as e:
         if (message := data.error_line(e)) is None:
             raise
-        if training_begun or os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun, one line a machine till then
+        # Till training begins, bad input is alike in every process of a machine (not memory): its first says it.
+        alike = isinstance(e, (InputError, FileNotFoundError)) and not training_begun
+        if not alike or os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
     except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
@@ -466,12 +468,15 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
         checkpoint()
 
     with locked(out) if rank() == 0 else nullcontext():
-        if rank() == 0:
-            check_run_folder(cfg, held=True)
-        barrier()
-        training_begun = True  # from here a process may fail its own way (on its slice of the data): each says it
+        try:  # another run may have written here since this one started: every process refuses alike
+            refusal = check_run_folder(cfg, held=True) if rank() == 0 else None
+        except InputError as e:
+            refusal = str(e)
+        if refusal := gather_objects(refusal)[0]:
+            raise InputError(refusal)
         if cfg.resume:
             state = resume(out / "last.pt", run, saved["model_config"])
+        training_begun = True  # from here a process may fail its own way (on its slice of the data): each says it
         while state["step"] < total and not state["stopped"]:
             epoch, done = divmod(state["step"], steps_per_epoch)
             sampler.set_epoch(epoch, skip=done * cfg.batch_size)

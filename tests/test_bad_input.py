@@ -246,12 +246,36 @@ def test_under_torchrun_bad_input_is_said_by_the_first_process_of_each_machine(f
     assert os.listdir(tmp_path) == []
 
 
+def test_under_torchrun_a_damaged_last_pt_is_said_by_the_first_process_of_each_machine(root, unfinished, tmp_path,
+                                                                                     capsys, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(unfinished, out)
+    torch.save(edited_model(out / "last.pt", lambda m: m["pair_pos"].fill_(math.nan)), out / "last.pt")
+    monkeypatch.setattr(train, "training_begun", False)  # as a process starts
+    for local_rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit):
+            train.main(adapt.main, [str(a) for a in [*SMALL, "--data_root", root, "--out_dir", out, "--resume"]])
+        assert capsys.readouterr().err.count("its weights are not all finite") == lines
+
+
+def test_under_torchrun_memory_that_runs_out_is_said_by_every_process(capsys, monkeypatch):
+    """One process may meet a GPU that another job fills."""
+    def builds(argv):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(train, "training_begun", False)
+    with pytest.raises(SystemExit):
+        train.main(builds, [])
+    assert ": error: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB; " in capsys.readouterr().err
+
+
 def test_more_torchrun_processes_than_gpus_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for name, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(name, value)  # the first process of `torchrun --nproc_per_node 2`: all fail alike
+        monkeypatch.setenv(name, value)  # the first process of `torchrun --nproc_per_node 2`: the second fails alike
     assert error_of(capsys, adapt.main).endswith("torchrun started 2 processes on this machine, one a GPU, but 1 CUDA "
                                                  "GPUs are visible: give --nproc_per_node 1 or less, or --device cpu")
     assert os.listdir(tmp_path) == [] and not torch.distributed.is_initialized()

@@ -101,15 +101,18 @@ def test_predictions_are_scored_with_the_annotation_files_alone(root, preds, tmp
 
 
 def test_a_checkpoint_is_scored_under_the_amp_its_run_was_scored_under(root, tmp_path):
-    """As caption.py scored the test split at its end, so that evaluate.py gives the same captions."""
+    """As caption.py scored the test split at its end, so that evaluate.py gives the same captions; --amp may
+    choose another."""
     captioner = tiny_captioner()
     torch.save({"model": captioner.state_dict(), "model_config": clip_weights.model_config(captioner),
                 "config": {"amp": "bf16"}}, tmp_path / "best.pt")
     items = data.eval_items(data.read_split("clevr", root, "test"))
     bf16, fp32 = (evaluate.predict(captioner, items, torch.device("cpu"), amp=amp, workers=0) for amp in ("bf16", "off"))
     assert bf16 != fp32  # else this test could not tell them apart
-    evaluate.main([str(a) for a in ["--ckpt", tmp_path / "best.pt", "--data_root", root, "--out_dir", tmp_path / "run"]])
-    assert evaluate.read_predictions(tmp_path / "run" / "test_predictions.json") == bf16
+    for amp, expected in ((None, bf16), ("off", fp32)):
+        flags = ["--ckpt", tmp_path / "best.pt", "--data_root", root, "--out_dir", tmp_path / str(amp)]
+        evaluate.main([str(a) for a in flags + ["--amp", amp] * (amp is not None)])
+        assert evaluate.read_predictions(tmp_path / str(amp) / "test_predictions.json") == expected
 
 
 def test_duplicate_predictions_are_rejected(tmp_path):
@@ -215,13 +218,14 @@ def test_a_flag_the_chosen_command_does_not_use_is_refused(root, ckpt, preds, tm
     (tmp_path / "pairs.txt").write_text(f"{before} {after}\n")
     clevr = ["--data", "clevr", "--data_root", root]
     earlier = snapshot(tmp_path)
-    with_ckpt = "--device, --n_intra, --heads"
+    with_ckpt = "--device, --amp, --n_intra, --heads"
     assert error_of(capsys, "--ckpt", ckpt, *clevr, "--out", tmp_path / "m.json") == (
         f"--out has no use with --ckpt --data_root, which takes --data, --data_root, --split, --out_dir, {with_ckpt}")
     assert error_of(capsys, "--predictions", preds, *clevr, "--out_dir", tmp_path / "run") == (
         "--out_dir has no use with --predictions, which takes --data, --data_root, --split, --out")
-    assert error_of(capsys, "--predictions", preds, *clevr, "--device", "cpu") == (
-        "--device has no use with --predictions, which takes --data, --data_root, --split, --out")
+    for flag, value in (("--device", "cpu"), ("--amp", "off")):
+        assert error_of(capsys, "--predictions", preds, *clevr, flag, value) == (
+            f"{flag} has no use with --predictions, which takes --data, --data_root, --split, --out")
     assert error_of(capsys, "--ckpt", ckpt, "--pair", before, after, "--split", "val") == (
         f"--split has no use with --pair, which takes --attention, {with_ckpt}")
     assert error_of(capsys, "--ckpt", ckpt, "--pair", before, after, *clevr) == (
