@@ -15,7 +15,6 @@ Captioning follows the IDC protocol of Sec. 3.1: BLEU-1..4, METEOR, ROUGE-L and 
 pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR run on Java.
 """
 import argparse
-import contextlib
 import json
 import subprocess
 import sys
@@ -229,10 +228,8 @@ def meteor(gts, res):
     try:
         return 100.0 * float(scorer.compute_score(gts, res)[0])
     except (ValueError, OSError):  # no score came, or its pipe closed: the Java program has ended
-        scorer.meteor_p.kill()
-        with contextlib.suppress(OSError):  # else the scorer's clean-up says the same pipe is closed, in a traceback
-            scorer.meteor_p.stdin.close()
-        said = java_said(scorer.meteor_p.stderr.read().decode(errors="replace")) or "it ended without a word"
+        scorer.meteor_p.kill()  # communicate() closes its pipes, a broken one too: the clean-up then skips them
+        said = java_said(scorer.meteor_p.communicate()[1].decode(errors="replace")) or "it ended without a word"
         raise InputError(f"METEOR (pycocoevalcap's meteor-1.5.jar, run in Java) stopped: {said}") from None
     finally:
         if scorer.lock.locked():
