@@ -40,7 +40,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         # Under torchrun every process reads the same flags: the first of each machine says what is wrong.
-        self.exit(2, f"{self.prog}: error: {message}\n" if os.environ.get("LOCAL_RANK", "0") == "0" else None)
+        self.exit(2, f"{self.prog}: error: {message}\n" if first_of_machine() else None)
 
     def parse_args(self, args=None, namespace=None):
         """An empty value (`--data_root "$DATA"`, the variable unset) is refused, not read as the default."""
@@ -48,6 +48,11 @@ class ArgumentParser(argparse.ArgumentParser):
         if empty := [name for name, value in vars(parsed).items() if value == "" or isinstance(value, list) and "" in value]:
             self.error(f"--{empty[0]}: expected a value, got an empty string")
         return parsed
+
+
+def first_of_machine():
+    """Whether this is the first process on its machine: under torchrun, LOCAL_RANK 0; without it, the only one."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 ONE_LINE_ERRORS = (InputError, OSError, MemoryError, RuntimeError)  # error_line names some: torch's allocators raise RuntimeErrors

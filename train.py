@@ -70,7 +70,7 @@ def main(run, argv=None):
             raise
         # Till training begins, bad input is alike in every process of a machine (not memory): its first says it.
         alike = isinstance(e, (InputError, FileNotFoundError)) and not training_begun
-        if not alike or os.environ.get("LOCAL_RANK", "0") == "0":
+        if not alike or data.first_of_machine():
             print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
     except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
@@ -294,7 +294,7 @@ def prepare_data(cfg, image_size, samples=len):
     size. Rank 0 generates and builds what is missing while the others wait; then the first process of
     each other machine, whose data may lie on a disk of its own; then the others read it.
     samples(train pairs): the stage's training samples, which --resume compares before any image is stored."""
-    turn = 0 if rank() == 0 else 1 if os.environ.get("LOCAL_RANK", "0") == "0" else 2  # then two barriers in all
+    turn = 0 if rank() == 0 else 1 if data.first_of_machine() else 2  # then two barriers in all
     for _ in range(turn):
         barrier()
     if cfg.data == "synth" and turn < 2:
