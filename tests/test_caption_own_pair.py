@@ -43,7 +43,8 @@ def test_prints_the_captioners_caption_of_ones_own_pair(tmp_path, capsys):
     expected = ids_to_text(captioner.generate(*images))[0]
     assert expected  # a caption with words, so that the comparison says something
 
-    evaluate.main(["--ckpt", str(tmp_path / "best.pt"), "--pair", str(before), str(after)])
+    # On the CPU, where `expected` was made: on a GPU, --device auto would caption under bf16, with other words
+    evaluate.main(["--ckpt", str(tmp_path / "best.pt"), "--pair", str(before), str(after), "--device", "cpu"])
     assert capsys.readouterr().out == expected + "\n"
 
 

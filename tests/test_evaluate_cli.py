@@ -110,7 +110,7 @@ def test_a_checkpoint_is_scored_under_the_amp_its_run_was_scored_under(root, tmp
     bf16, fp32 = (evaluate.predict(captioner, items, torch.device("cpu"), amp=amp, workers=0) for amp in ("bf16", "off"))
     assert bf16 != fp32  # else this test could not tell them apart
     for amp, expected in ((None, bf16), ("off", fp32)):
-        flags = ["--ckpt", tmp_path / "best.pt", "--data_root", root, "--out_dir", tmp_path / str(amp)]
+        flags = ["--ckpt", tmp_path / "best.pt", "--data_root", root, "--out_dir", tmp_path / str(amp), "--device", "cpu"]
         evaluate.main([str(a) for a in flags + ["--amp", amp] * (amp is not None)])
         assert evaluate.read_predictions(tmp_path / str(amp) / "test_predictions.json") == expected
 
