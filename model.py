@@ -421,7 +421,12 @@ class Captioner(nn.Module):
 
     def write_only(self, words):
         """Score and write only the token ids `words`, EOT among them (all of CLIP's for ())."""
-        self.config = replace(self.config, vocab=tuple(sorted(words)))
+        words, n = sorted(words), self.head_bias.shape[0]
+        # A checkpoint's list: an id past CLIP's would fail, a negative one write another word, no EOT never end
+        if words and (words[0] < 0 or words[-1] >= n or EOT not in words):
+            raise ValueError(f"vocab: expected token ids in 0..{n - 1}, EOT ({EOT}) among them; "
+                             f"got {len(words)} ids from {words[0]} to {words[-1]}")
+        self.config = replace(self.config, vocab=tuple(words))
         self.register_buffer("words", self.head_bias.new_tensor(self.config.vocab, dtype=torch.long), persistent=False)
 
     def new_parameter_names(self):

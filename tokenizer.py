@@ -101,6 +101,6 @@ def tokenize(texts, context_length=77):
     tok = get_tokenizer()
     out = torch.zeros(len(texts), context_length, dtype=torch.long)
     for row, text in enumerate(texts):
-        ids = [SOT] + tok.encode(text)[:context_length - 2] + [EOT]
+        ids = ([SOT] + tok.encode(text))[:context_length - 1] + [EOT]  # as clip.tokenize: [EOT] alone at length 1
         out[row, :len(ids)] = torch.tensor(ids)
     return out

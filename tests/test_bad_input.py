@@ -31,7 +31,8 @@ import synth
 import train
 import tokenizer
 from data import InputError
-from model import CLIP, CLIPConfig
+from model import CLIP, Captioner, CaptionerConfig, CLIPConfig
+from tiny import tiny_pair_encoder
 
 SMALL = ["--data", "synth", "--epochs", "1", "--max_steps", "2", "--batch_size", "16", "--workers", "0"]
 
@@ -833,6 +834,23 @@ def test_a_checkpoint_of_ours_with_bad_content_is_named(root, stage_1, tmp_path,
                      tmp_path / "bad.pt")
     assert f"{tmp_path / 'bad.pt'}" in error and message in error and len(error) < 1000
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("vocab", [(320, 49407, 60000), (-5, 320, 49407), (320, 1125)])
+def test_a_captioners_words_beyond_clips_or_without_eot_are_named(tmp_path, capsys, vocab):
+    # past the vocabulary: an IndexError at the first caption; negative: another word; no EOT: captions never end
+    torch.manual_seed(0)
+    captioner = Captioner(tiny_pair_encoder(), CaptionerConfig(layers=1, heads=4, ffn=64, max_len=8))
+    config = clip_weights.model_config(captioner)
+    config["captioner"]["vocab"] = vocab
+    torch.save({"model": captioner.state_dict(), "model_config": config}, tmp_path / "bad.pt")
+    for name in ("before", "after"):
+        Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / f"{name}.png")
+    error = error_of(capsys, evaluate.main, "--ckpt", tmp_path / "bad.pt", "--pair", tmp_path / "before.png",
+                     tmp_path / "after.png", "--device", "cpu")
+    assert error.endswith(f"{tmp_path / 'bad.pt'}: its model_config describes no model of ours (ValueError: vocab: "
+                          f"expected token ids in 0..49407, EOT (49407) among them; got {len(vocab)} ids from "
+                          f"{min(vocab)} to {max(vocab)})")
 
 
 def test_a_clip_file_that_is_not_clip_is_named(root, tmp_path, capsys):

@@ -88,6 +88,13 @@ def test_truncation_keeps_eot():
     assert ids[0] == tokenizer.SOT and ids[-1] == tokenizer.EOT and (ids != 0).all()
 
 
+def test_short_context_lengths_match_reference(reference):
+    texts = ["", "a", "a photo", "a photo of a cat"]
+    for context_length in range(1, 7):  # at 1, clip.tokenize keeps only the EOT that replaced SOT
+        expected = reference_tokenize(reference, texts, context_length)
+        assert torch.equal(tokenizer.tokenize(texts, context_length), expected), context_length
+
+
 def test_decode_matches_reference(reference):
     ours = tokenizer.get_tokenizer()
     for text in corpus(500, seed=1):
