@@ -11,6 +11,7 @@ for the pair encoder and the captioner are mapped to ours key by key (`authors_n
 """
 import errno
 import hashlib
+import http.client
 import os
 import pickle
 import sys
@@ -96,6 +97,10 @@ def read_checkpoint(path, mmap=False):
         raise FileNotFoundError(f"{path}: no such checkpoint file")
     if Path(path).stat().st_size == 0:
         raise InputError(f"{path}: an empty file; expected a checkpoint")
+    if is_torchscript(path):  # torch.load refuses it with advice to load it unsafely: not advice to pass on
+        raise InputError(f"{path}: a TorchScript archive, as OpenAI's CLIP release is, not a checkpoint of ours or the "
+                         "authors' (OpenAI's CLIP is read by --clip, with adapt.py's --init openai or caption.py's "
+                         "--init_from openai)")
     try:
         with warnings.catch_warnings():  # torch's notes on pickle protocols: the error says what matters
             warnings.simplefilter("ignore")
@@ -104,6 +109,8 @@ def read_checkpoint(path, mmap=False):
         raise InputError(f"{path}: cannot read it as a checkpoint (not torch's format, or it holds objects "
                          "besides tensors and plain data)") from None
     except Exception as e:  # truncated, or not a zip file: a bad file, not a bug
+        if isinstance(e, MemoryError) or "can't allocate memory" in str(e):  # torch's allocator too: memory, not the file
+            raise
         if mmap:  # torch then only says that mmap needs its zip format: read it whole for the real fault
             return read_checkpoint(path)
         raise InputError(f"{path}: cannot read it as a checkpoint ({type(e).__name__}: {first_line(e)})") from None
@@ -232,10 +239,11 @@ def read_state_dict(path):
 
 def is_torchscript(path):
     # torch.jit.save and torch.save both write zip files; only TorchScript stores constants.pkl.
-    if not zipfile.is_zipfile(path):
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(name.endswith("/constants.pkl") for name in z.namelist())
+    except zipfile.BadZipFile:  # not a zip file, or its directory is damaged: torch.load then names the fault
         return False
-    with zipfile.ZipFile(path) as z:
-        return any(name.endswith("/constants.pkl") for name in z.namelist())
 
 
 def config_from_state_dict(sd, name="checkpoint", prefix=""):
@@ -341,7 +349,8 @@ def fetch(url, out, target):
                 digest.update(chunk)
                 done += len(chunk)
                 progress(target.name, done, total, start)
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+    # HTTPException: a chunked response cut off (IncompleteRead), which urllib does not wrap in a URLError
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
         there = ", in place of the file there, whose SHA-256 differs" if target.is_file() else ""
         raise ConnectionError(f"cannot download {url} ({e}). No network? Download the file elsewhere "
                               f"and put it at {target}{there}, or give its path as --clip") from e

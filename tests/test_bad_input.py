@@ -812,6 +812,22 @@ def test_checkpoints_that_are_not_ours_are_named(root, stage_1, tmp_path, capsys
     assert not (tmp_path / "c").exists()
 
 
+def test_memory_that_runs_out_while_reading_a_checkpoint_is_said_as_memory_not_as_the_file(tmp_path, capsys,
+                                                                                          monkeypatch):
+    (tmp_path / "best.pt").write_bytes(b"a checkpoint")
+    def short_of_memory(*args, **kwargs):  # torch's CPU allocator, in its words
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 200000000 bytes. Error code 12 (Cannot allocate memory)")
+    monkeypatch.setattr(torch, "load", short_of_memory)
+    monkeypatch.setattr(train, "training_begun", False)
+    for local_rank in ("0", "1"):  # under torchrun every process says it: one may be short of memory, another not
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert error_of(capsys, evaluate.main, "--ckpt", tmp_path / "best.pt", "--pair", tmp_path / "best.pt",
+                        tmp_path / "best.pt").endswith(
+            "error: out of memory: can't allocate memory: you tried to allocate 200000000 bytes. Error code 12 (Cannot "
+            "allocate memory); a smaller batch or model, or fewer loader workers, needs less")
+
+
 def test_a_caption_length_beyond_the_encoders_text_positions_is_refused(root, stage_1, tmp_path, capsys):
     assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "c", "--init_from",
                     stage_1 / "best.pt", "--max_len", 34).endswith(": --max_len 34: expected at most 33, CLIP's 32 text positions + 1")

@@ -129,6 +129,24 @@ def test_a_damaged_torchscript_archive_is_named(tmp_path):
         clip_weights.load(tmp_path / "ViT-B-32.pt")
 
 
+def test_a_torchscript_archive_given_as_a_checkpoint_is_named_without_torchs_unsafe_advice(tmp_path):
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(tmp_path / "ViT-B-32.pt"))  # as OpenAI's release is
+    for read in (clip_weights.load_checkpoint, lambda path: clip_weights.read_checkpoint(path, mmap=True)):
+        with pytest.raises(clip_weights.InputError, match=f"^{tmp_path / 'ViT-B-32.pt'}: a TorchScript archive, as "
+                                                          "OpenAI's CLIP release is, .*read by --clip") as error:
+            read(tmp_path / "ViT-B-32.pt")
+        assert "weights_only" not in str(error.value)
+
+
+def test_a_zip_file_whose_directory_is_damaged_is_named(tiny_sd, tmp_path):
+    content = bytearray(save(tiny_sd, tmp_path / "ckpt.pt").read_bytes())
+    entry = content.rfind(b"PK\x01\x02")  # the last entry of the central directory, whose end record stays whole
+    content[entry:entry + 4] = b"XXXX"
+    (tmp_path / "ckpt.pt").write_bytes(content)
+    with pytest.raises(clip_weights.InputError, match=f"^{tmp_path / 'ckpt.pt'}: cannot read it as a checkpoint"):
+        clip_weights.load(tmp_path / "ckpt.pt")
+
+
 def test_unknown_name_lists_the_known_ones(tmp_path):
     with pytest.raises(FileNotFoundError, match="^ViT-H/99: no such file; expected a checkpoint file or one of ViT-B/32"):
         clip_weights.load("ViT-H/99")
@@ -210,6 +228,24 @@ def test_a_download_cut_off_ends_its_progress_line_before_the_error(tmp_path, mo
         with pytest.raises(ConnectionError, match="^cannot download .*Connection reset by peer"):
             clip_weights.download(url, tmp_path / "cache")
     assert re.fullmatch(r"\rdownloading ViT-B-32.pt:  52% \(1.0/2.0 MB, eta \dm\d\ds\)\n", capsys.readouterr().err)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_chunked_download_cut_off_is_a_connection_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+
+    def serve(server):  # a chunk of 4096 bytes announced, 100 sent, then the connection is closed
+        connection, _ = server.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n1000\r\n"
+                               + bytes(100))
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        threading.Thread(target=serve, args=(server,), daemon=True).start()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/{'0' * 64}/ViT-B-32.pt"
+        with pytest.raises(ConnectionError, match=r"^cannot download .*IncompleteRead.*No network\?"):  # one line (train.main)
+            clip_weights.download(url, tmp_path / "cache")
     assert not (tmp_path / "cache").exists()
 
 
