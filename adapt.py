@@ -81,7 +81,10 @@ def build_model(cfg):
         raise InputError("--preset small trains from scratch: add --init random, or use --preset vit-b/32")
     if cfg.init == "random" and cfg.clip != AdaptConfig.clip:
         raise InputError(f"--clip {cfg.clip}: read only with --init openai, and this run starts from random weights")
-    clip = clip_weights.load(cfg.clip) if cfg.init == "openai" else None
+    clip = None
+    if cfg.init == "openai":
+        with train.in_turns():  # under torchrun one process a machine downloads it; the others find it cached
+            clip = clip_weights.load(cfg.clip)
     clip_config = clip.config if clip is not None else SMALL_CLIP if cfg.preset == "small" else CLIPConfig()
     if clip_config.context_length < CLIP4IDCConfig.context_length:  # a --clip file's
         raise InputError(f"--clip {cfg.clip}: {clip_config.context_length} text positions; expected at least "

@@ -10,7 +10,7 @@ Several GPUs, on one machine or many, run through torchrun (NCCL on CUDA, gloo o
 --batch_size is the global batch, split evenly over the processes, so the paper's settings mean the
 same on any number of GPUs. Each process reads its slice of every global batch; rank 0 alone
 prints, validates, and writes checkpoints and metrics. Rank 0, then the first process of each other
-machine, generates data and builds the image store where they are missing.
+machine, generates data, builds the image store and downloads OpenAI's CLIP where they are missing.
 """
 import argparse
 import dataclasses
@@ -290,27 +290,42 @@ def mixed_precision(device, amp):
 
 # ---- Data: splits and image store (their order and loaders: data.py) ----------------------------
 def prepare_data(cfg, image_size, samples=len):
-    """The three splits and, with --cache, the ImageStore of all their images at the model's input
-    size. Rank 0 generates and builds what is missing while the others wait; then the first process of
-    each other machine, whose data may lie on a disk of its own; then the others read it.
-    samples(train pairs): the stage's training samples, which --resume compares before any image is stored."""
-    turn = 0 if rank() == 0 else 1 if data.first_of_machine() else 2  # then two barriers in all
-    for _ in range(turn):
-        barrier()
-    if cfg.data == "synth" and turn < 2:
-        synth.ensure_synth(cfg.data_root)
-    splits = {split: data.read_split(cfg.data, cfg.data_root, split) for split in ("train", "val", "test")}
-    last, now = Path(cfg.out_dir) / "last.pt", samples(splits["train"])
-    saved = clip_weights.read_checkpoint(last, mmap=True)["state"].get("samples") if cfg.resume else None
-    if saved not in (None, now):  # --data_root may move, but the data order needs the run's number of samples
-        raise InputError(f"--resume: {last} trained on {saved} samples, the data now holds {now}: resume on the "
-                         "same data")
-    require_batch(cfg.batch_size, now)  # before any image is stored
-    pairs = [p for s in splits.values() for p in s]
-    store = image_store.ImageStore(pairs, image_size, cfg.data_root) if cfg.cache else None
-    for _ in range(2 - turn):
-        barrier()
+    """The three splits and, with --cache, the ImageStore of all their images at the model's input size,
+    generated and built in turns where missing. samples(train pairs): the stage's training samples, which
+    --resume compares before any image is stored."""
+    with in_turns() as turn:
+        if cfg.data == "synth" and turn < 2:
+            synth.ensure_synth(cfg.data_root)
+        splits = {split: data.read_split(cfg.data, cfg.data_root, split) for split in ("train", "val", "test")}
+        last, now = Path(cfg.out_dir) / "last.pt", samples(splits["train"])
+        saved = clip_weights.read_checkpoint(last, mmap=True)["state"].get("samples") if cfg.resume else None
+        if saved not in (None, now):  # --data_root may move, but the data order needs the run's number of samples
+            raise InputError(f"--resume: {last} trained on {saved} samples, the data now holds {now}: resume on the "
+                             "same data")
+        require_batch(cfg.batch_size, now)  # before any image is stored
+        pairs = [p for s in splits.values() for p in s]
+        store = image_store.ImageStore(pairs, image_size, cfg.data_root) if cfg.cache else None
     return splits, store
+
+
+@contextmanager
+def in_turns():
+    """Rank 0 first, then the first process of each other machine (whose disk may be its own), then the others:
+    what a turn makes where it is missing, the next finds. Yields the turn. A turn that fails stops every process
+    at its end with the failure's line, said once a machine as bad input is, not with a connection lost."""
+    turn, failure = 0 if rank() == 0 else 1 if data.first_of_machine() else 2, None
+    for now in range(3):
+        if now == turn:
+            try:
+                yield turn
+            except Exception as e:
+                failure = e
+        line = failure and (data.error_line(failure) or f"process {rank()} stopped ({type(failure).__name__})")
+        said = [s for s in gather_objects(line) if s]
+        if failure:
+            raise failure
+        if said:
+            raise InputError(said[0])
 
 
 def require_batch(batch_size, samples):

@@ -1,6 +1,7 @@
 """Several processes through torchrun (gloo on CPU): 2 processes with half the global batch each
 train both stages to the weights of 1 process with the whole batch and print its losses, a killed
 2-process run resumes to the same weights, and each process draws its own dropout masks."""
+import dataclasses
 import os
 import re
 import signal
@@ -12,10 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import clip_weights
 import image_store
 import synth
 import train as train_py
-from adapt import AdaptConfig
+from adapt import AdaptConfig, build_model
+from model import CLIP
+from tiny import tiny_clip_config
 
 ROOT = Path(__file__).parent.parent
 # gloo, on any machine: a CUDA host may have fewer GPUs than processes
@@ -151,19 +155,58 @@ def test_each_process_draws_its_own_dropout_masks(tmp_path):
 
 
 @pytest.mark.parametrize("rank, local_rank, order", [
-    (0, 0, ["generated", "stored", "barrier", "barrier"]),  # rank 0 first, while all others wait
-    (2, 0, ["barrier", "generated", "stored", "barrier"]),  # then the first of another machine, which may have a
-    (3, 1, ["barrier", "barrier", "stored"]),  # disk of its own; then the others read what is there
+    (0, 0, ["generated", "stored", "turn", "turn", "turn"]),  # rank 0 first, while all others wait
+    (2, 0, ["turn", "generated", "stored", "turn", "turn"]),  # then the first of another machine, which may have a
+    (3, 1, ["turn", "turn", "stored", "turn"]),  # disk of its own; then the others read what is there
 ])
 def test_the_first_process_of_each_machine_readies_its_data_in_turn(rank, local_rank, order, tmp_path, monkeypatch):
     synth.write_synth(tmp_path / "synth", 30, seed=1)
     events = []
     monkeypatch.setattr(train_py, "rank", lambda: rank)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-    monkeypatch.setattr(train_py, "barrier", lambda: events.append("barrier"))
+    monkeypatch.setattr(train_py, "gather_objects", lambda obj: events.append("turn") or [obj])
     monkeypatch.setattr(synth, "ensure_synth", lambda root: events.append("generated"))
     monkeypatch.setattr(image_store, "ImageStore", lambda *args: events.append("stored"))
     cfg = AdaptConfig(data="synth", data_root=str(tmp_path / "synth"), out_dir=str(tmp_path / "out"), cache=True,
                       batch_size=16)
     train_py.prepare_data(cfg, 32)
     assert events == order
+
+
+@pytest.mark.parametrize("rank, local_rank, order", [
+    (0, 0, ["loaded", "turn", "turn", "turn"]),  # rank 0 downloads OpenAI's file while all others wait
+    (2, 0, ["turn", "loaded", "turn", "turn"]),  # then the first of another machine, whose cache may be its own
+    (3, 1, ["turn", "turn", "loaded", "turn"]),  # then the others, which find it cached
+])
+def test_openais_weights_are_fetched_in_turn_so_a_machine_downloads_them_once(rank, local_rank, order, monkeypatch):
+    events, clip = [], CLIP(dataclasses.replace(tiny_clip_config(layers=2), context_length=32))
+    monkeypatch.setattr(train_py, "rank", lambda: rank)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setattr(train_py, "gather_objects", lambda obj: events.append("turn") or [obj])
+    monkeypatch.setattr(clip_weights, "load", lambda name: events.append("loaded") or clip)
+    assert build_model(AdaptConfig(init="openai", n_intra=1, n_inter=1)).clip is clip
+    assert events == order
+
+
+def test_a_turn_that_fails_stops_the_processes_after_it_with_its_line(monkeypatch):
+    shared = []
+    monkeypatch.setattr(train_py, "gather_objects", lambda obj: shared.append(obj) or [obj])
+    with pytest.raises(FileNotFoundError), train_py.in_turns():  # rank 0's turn, the first
+        raise FileNotFoundError("nothere.pt: no such file")
+    assert shared == ["nothere.pt: no such file"]  # what every process learns at the end of the turn
+
+    monkeypatch.setattr(train_py, "rank", lambda: 3)  # a later turn's process: it stops with that line
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(train_py, "gather_objects", lambda obj: ["nothere.pt: no such file", None, None, obj])
+    with pytest.raises(train_py.InputError, match="^nothere.pt: no such file$"), train_py.in_turns():
+        raise AssertionError("a turn after a failed one does not run")
+
+
+def test_data_that_rank_0_finds_bad_stops_both_processes_in_one_line(tmp_path):
+    synth.write_synth(tmp_path / "synth", 30, seed=1)
+    (tmp_path / "synth" / "splits.json").write_text("{")
+    result = subprocess.run(command("adapt.py", 2, *CPU, "--data_root", str(tmp_path / "synth"), "--out_dir",
+                                    str(tmp_path / "run")), cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert result.returncode != 0 and result.stderr.count(": error: ") == 1, result.stderr[-3000:]
+    assert "splits.json: malformed JSON" in result.stderr and "[rank1]" not in result.stderr, result.stderr[-3000:]
