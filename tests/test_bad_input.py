@@ -351,6 +351,8 @@ def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
     (["clip", "--steps", "5"], "--steps has no use in the clip check, which takes --images, --texts, --repeats"),
     (["train", "--fit_steps", "5"], "--fit_steps has no use in the train check without --data_root, which takes"),
     (["loader", "--data_root", ".", "--amp", "bf16"], "--amp has no use in the loader check, which takes --stage"),
+    (["train", "--preset", "small", "--modes", "eager", "--batch", "1", "--steps", "1", "--amp", "off", "--peak_tflops",
+      "989"], "--peak_tflops has no use without --amp bf16, the precision whose MFU it gives"),
 ])
 def test_bench_py_refuses_bad_flags_in_one_line(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
@@ -734,6 +736,16 @@ def test_bench_py_on_a_disk_it_cannot_write_does_not_advise_a_flag_it_lacks(disk
 def test_bench_py_times_the_loader_on_a_batch_after_the_first(root, capsys):
     error = error_of(capsys, bench.main, "loader", "--data_root", root, "--preset", "small", "--batch", 61)
     assert error.endswith("--batch 61: expected at most half the 120 training samples, for at least one timed batch")
+
+
+def test_bench_py_train_refuses_a_dataset_it_cannot_read_before_timing_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        train.main(bench.main, ["train", "--preset", "small", "--amp", "off", "--modes", "eager", "--batch", "1",
+                                "--steps", "1", "--data_root", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and out == ""  # not a step timed, which on a GPU takes minutes
+    assert err.split(": error: ", 1)[1].startswith(f"{tmp_path / 'splits.json'}: not found; expected CLEVR-Change's")
+    assert err.count("\n") == 1
 
 
 def test_an_unreadable_image_is_one_line_in_bench_py_too(root, tmp_path, capsys):
