@@ -243,7 +243,10 @@ def read_split(dataset, root, split, images=True):
     pairs = {"clevr": read_clevr, "spot": read_spot, "ier": read_ier}[dataset](root, split)
     if repeated := [i for i, n in Counter(p.id for p in pairs).items() if n > 1]:
         raise InputError(f"{root} {split}: ids {repeated[:5]} name more than one pair; each pair needs its own id")
-    pairs = without_blank_captions(pairs, f"{root} {split}")
+    # Only training leaves blank captions out: the scored splits stay as published, as the authors score them
+    # (Spot-the-Diff's test holds 7 pairs whose one reference is "": 1,270 pairs, not 1,263)
+    if split == "train":
+        pairs = without_blank_captions(pairs, f"{root} {split}")
     if not pairs:  # an empty split would hang METEOR's java process or fail deep in the model
         raise InputError(f"{root} {split}: no pairs; each split needs at least one")
     if images and (lacking := [(p.id, q) for p in pairs for q in (p.before, p.after, p.distractor) if q and not q.is_file()]):
@@ -259,7 +262,7 @@ def worded(caption):
 
 def without_blank_captions(pairs, where):
     """Leave out captions without a letter or digit (empty, punctuation only), and the pairs they leave
-    without any: nothing to learn or to score against. Says how many and which."""
+    without any: nothing to learn. Says how many and which."""
     blank = [p.id for p in pairs if not all(map(worded, p.captions + p.distractor_captions))]
     if not blank:
         return pairs

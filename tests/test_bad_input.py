@@ -684,11 +684,11 @@ def test_readers_check_types_and_ids(tmp_path, dataset, entries, message):
         data.read_split(dataset, tmp_path, "test")
 
 
-def test_captions_without_words_are_reported_and_left_out(tmp_path, caplog):
+def test_captions_without_words_are_reported_and_left_out_of_training(tmp_path, caplog):
     write_split(tmp_path, "spot", [{"img_id": 1, "sentences": ["a car left", "", " ... "]},
-                                   {"img_id": 2, "sentences": ["?!"]}])
+                                   {"img_id": 2, "sentences": ["?!"]}], split="train")
     with caplog.at_level(logging.WARNING):
-        pairs = data.read_split("spot", tmp_path, "test")
+        pairs = data.read_split("spot", tmp_path, "train")
     assert [(p.id, p.captions) for p in pairs] == [("1.png", ["a car left"])]
     assert "2 pairs have empty or punctuation-only captions, left out (first: 1.png, 2.png)" in caplog.text
     assert "1 pairs are left without any caption" in caplog.text

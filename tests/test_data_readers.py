@@ -170,6 +170,21 @@ def test_spot_missing_after_image(tmp_path):
         data.read_split("spot", tmp_path, "train")
 
 
+def test_scored_splits_keep_empty_references_as_the_authors_score_them(tmp_path):
+    """Spot-the-Diff's published test.json has 7 pairs whose one sentence is "": the authors' references
+    (gt/spot_total_change_captions_reformat.json) hold all 1,270 pairs, those 7 too, and so does their test loader."""
+    write_spot(tmp_path)
+    entries = [{"img_id": "400", "sentences": ["a car is gone"]}, {"img_id": "7", "sentences": [""]},
+               {"img_id": "9", "sentences": ["z", " ... "]}]
+    for split in ("train", "val", "test"):
+        (tmp_path / "annotations" / f"{split}.json").write_text(json.dumps(entries))
+    for split in ("val", "test"):
+        assert [(p.id, p.captions) for p in data.read_split("spot", tmp_path, split)] == [
+            ("400.png", ["a car is gone"]), ("7.png", [""]), ("9.png", ["z", " ... "])]
+    assert [(p.id, p.captions) for p in data.read_split("spot", tmp_path, "train")] == [
+        ("400.png", ["a car is gone"]), ("9.png", ["z"])]  # nothing to learn from a caption without words
+
+
 def write_ier(root):
     names = {"a.jpg": "JPEG", "b.PNG": "PNG", "c.JPG": "JPEG", "d.gif": "GIF", "e.jpeg": "JPEG"}
     (root / "images").mkdir(parents=True)
@@ -294,6 +309,6 @@ def test_an_empty_split_is_refused(tmp_path, caplog):
     write_spot(tmp_path / "spot")
     with pytest.raises(data.InputError, match=f"^{tmp_path / 'spot'} test: no pairs; each split needs at least one$"):
         data.read_split("spot", tmp_path / "spot", "test")
-    (tmp_path / "spot" / "annotations" / "val.json").write_text(json.dumps([{"img_id": "9", "sentences": ["..."]}]))
-    with pytest.raises(data.InputError, match="val: no pairs; each split needs at least one"):
-        data.read_split("spot", tmp_path / "spot", "val")  # no pair is left with a worded caption
+    (tmp_path / "spot" / "annotations" / "train.json").write_text(json.dumps([{"img_id": "9", "sentences": ["..."]}]))
+    with pytest.raises(data.InputError, match="train: no pairs; each split needs at least one"):
+        data.read_split("spot", tmp_path / "spot", "train")  # no pair is left with a worded caption
