@@ -64,7 +64,9 @@ def encode_split(model, pairs, device, store=None, amp="auto", workers=-1):
 def retrieval(model, pairs, device, store=None, amp="auto", workers=-1):
     """IP-T and T-IP retrieval over all reference captions (Tables 6 and 7), on the change pairs."""
     v, g, text_pair, text_id = encode_split(model, pairs, device, store, amp, workers)
-    return retrieval_metrics((v @ g.t()).cpu(), text_pair, text_id)
+    same = {}  # Image-Editing-Request's test repeats 46 image pairs under other uids, with other captions
+    pair_id = [same.setdefault((p.before, p.after), len(same)) for p in pairs]
+    return retrieval_metrics((v @ g.t()).cpu(), text_pair, text_id, pair_id)
 
 
 def rank_summary(ranks, lower_median=False):
@@ -77,9 +79,10 @@ def rank_summary(ranks, lower_median=False):
     return summary
 
 
-def retrieval_metrics(sim, text_pair, text_id=None):
+def retrieval_metrics(sim, text_pair, text_id=None, pair_id=None):
     """IP-T and T-IP scores from sim [n_pairs, n_texts] (tensor or array); text_pair[j] is the pair
-    that caption j describes, and captions of equal text_id[j] read the same (default: all differ).
+    that caption j describes, captions of equal text_id[j] read the same, and pairs of equal pair_id[i]
+    show the same two images, so are one to the model: neither competes with the other (default: all differ).
 
     T-IP ranks every caption's own pair among all pairs; its median rank is the lower middle one, as
     in the authors' code. IP-T, as the authors' code scores it, ranks each pair's best own caption
@@ -91,11 +94,14 @@ def retrieval_metrics(sim, text_pair, text_id=None):
     sim, text_pair = np.asarray(sim), np.asarray(text_pair)
     text_id = np.arange(len(text_pair)) if text_id is None else np.asarray(text_id)
     n_pairs, n_texts = sim.shape
+    pair_id = np.unique(np.arange(n_pairs) if pair_id is None else pair_id, return_inverse=True)[1]  # 0, 1, ...
     if text_pair.shape != (n_texts,) or text_pair.min() < 0 or text_pair.max() >= n_pairs:
         raise ValueError(f"text_pair must hold one pair index in [0, {n_pairs}) for each of the "
                          f"{n_texts} texts, got shape {text_pair.shape}")
     if text_id.shape != (n_texts,):
         raise ValueError(f"text_id must hold one id for each of the {n_texts} texts, got shape {text_id.shape}")
+    if pair_id.shape != (n_pairs,):
+        raise ValueError(f"pair_id must hold one id for each of the {n_pairs} pairs, got shape {pair_id.shape}")
     # A diverged model's NaNs would compare False everywhere and earn rank 1.
     if not np.isfinite(sim).all():
         raise InputError("the similarities hold NaN or inf: the pair encoder's weights are not finite (a training that "
@@ -106,16 +112,17 @@ def retrieval_metrics(sim, text_pair, text_id=None):
     # Ties count against the model: rank = 1 + number of competitors scoring >= the true match.
     # Otherwise a constant-score model would rank everything first.
     true_score = sim[text_pair, np.arange(n_texts)]
-    text_to_pair = (sim >= true_score[None, :]).sum(axis=0)  # the own pair is one of those counted
-    # For pair -> text, another pair's caption of the same words is no competitor: its vector is the
-    # same, and it is right for both pairs.
-    order = np.argsort(text_pair, kind="stable")
-    competing = sim[:, order]
-    rows, columns = same_text_elsewhere(text_pair[order], text_id[order])
-    competing[rows, columns] = -np.inf
-    starts = np.searchsorted(text_pair[order], np.arange(n_pairs))
-    best = np.maximum.reduceat(competing, starts, axis=1)  # best[i, k]: pair i and pair k's closest caption
-    pair_to_text = (best >= np.diag(best)[:, None]).sum(axis=1)
+    images = pair_id[text_pair]  # each caption's two images: pairs of the same ones are one
+    text_to_pair = 1 + ((sim >= true_score[None, :]) & (pair_id[:, None] != images[None, :])).sum(axis=0)
+    # For pair -> text, every caption of the pair's images is its own, and another's caption of the same
+    # words as one of them is no competitor: its vector is the same, and it is right for both.
+    order = np.argsort(images, kind="stable")
+    hidden = np.zeros((pair_id.max() + 1, n_texts), dtype=bool)
+    hidden[same_text_elsewhere(images[order], text_id[order])] = True
+    competing = np.where(hidden[pair_id], -np.inf, sim[:, order])
+    starts = np.searchsorted(images[order], np.arange(pair_id.max() + 1))
+    best = np.maximum.reduceat(competing, starts, axis=1)  # best[i, k]: pair i and image pair k's closest caption
+    pair_to_text = (best >= best[np.arange(n_pairs), pair_id][:, None]).sum(axis=1)
     return {"pair_to_text": rank_summary(pair_to_text), "text_to_pair": rank_summary(text_to_pair, lower_median=True)}
 
 

@@ -1,11 +1,13 @@
 """IP-T / T-IP retrieval metrics against rankings worked out by hand, ties included."""
+import json
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 import data
-from evaluate import encode_split, format_retrieval, rank_summary, retrieval_metrics
+from evaluate import encode_split, format_retrieval, rank_summary, retrieval, retrieval_metrics
 from tests.tiny import tiny_pair_encoder
 
 # 4 image pairs, 6 captions; caption j describes pair TEXT_PAIR[j].
@@ -118,3 +120,29 @@ def test_format_retrieval_prints_both_directions():
     assert lines[1].split()[-7:] == ["25.0", "100.0", "100.0", "100.0", "100.0", "3.0", "2.8"]
     assert lines[2].startswith("Text => Image Pair")
     assert lines[2].split()[-7:] == ["16.7", "100.0", "100.0", "100.0", "100.0", "3.0", "2.5"]
+
+
+def test_pairs_of_the_same_two_images_do_not_compete():
+    """Image-Editing-Request's test repeats 46 image pairs under other uids, with other captions: such
+    pairs have one vector, so each would tie with the other and lose, were they counted apart."""
+    sim = np.array([[0.9, 0.5, 0.1],
+                    [0.9, 0.5, 0.1],  # pair 1: the images of pair 0
+                    [0.2, 0.6, 0.8]])
+    apart, one = retrieval_metrics(sim, [0, 1, 2]), retrieval_metrics(sim, [0, 1, 2], pair_id=["x", "x", "y"])
+    assert apart["text_to_pair"]["MnR"] == (2 + 3 + 1) / 3 and apart["pair_to_text"]["MnR"] == (1 + 2 + 1) / 3
+    assert one["text_to_pair"]["MnR"] == (1 + 2 + 1) / 3 and one["pair_to_text"]["MnR"] == (1 + 1 + 1) / 3
+    with pytest.raises(ValueError, match="pair_id must hold one id"):
+        retrieval_metrics(sim, [0, 1, 2], pair_id=[0, 0])
+
+
+def test_retrieval_knows_pairs_of_the_same_image_files(tmp_path):
+    (tmp_path / "images").mkdir()
+    for name, colour in (("a.jpg", "red"), ("b.jpg", "blue")):
+        Image.new("RGB", (40, 30), colour).save(tmp_path / "images" / name)
+    (tmp_path / "dataset" / "adobe").mkdir(parents=True)
+    (tmp_path / "dataset" / "adobe" / "test.json").write_text(json.dumps(
+        [{"img0": "a.jpg", "img1": "b.jpg", "sents": [s], "uid": f"Reddit_{n}"}
+         for n, s in enumerate(["make it blue", "turn the red to blue"])]))
+    torch.manual_seed(0)
+    m = retrieval(tiny_pair_encoder(), data.read_split("ier", tmp_path, "test"), torch.device("cpu"), workers=0)
+    assert m["text_to_pair"]["R@1"] == m["pair_to_text"]["R@1"] == 100.0  # counted apart: 0 and 50
