@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from data import InputError, format_eta, new_folders
+from data import InputError, format_eta, new_folders, out_of_memory
 from model import CLIP, CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
 MODELS = {  # the SHA-256 of each file is the path component before its name
@@ -109,7 +109,7 @@ def read_checkpoint(path, mmap=False):
         raise InputError(f"{path}: cannot read it as a checkpoint (not torch's format, or it holds objects "
                          "besides tensors and plain data)") from None
     except Exception as e:  # truncated, or not a zip file: a bad file, not a bug
-        if isinstance(e, MemoryError) or "can't allocate memory" in str(e):  # torch's allocator too: memory, not the file
+        if out_of_memory(e):  # memory, not the file
             raise
         if mmap:  # torch then only says that mmap needs its zip format: read it whole for the real fault
             return read_checkpoint(path)

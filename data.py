@@ -61,9 +61,7 @@ ONE_LINE_ERRORS = (InputError, OSError, MemoryError, RuntimeError)  # error_line
 def error_line(e):
     """What ends a command line in one line on stderr: bad input (InputError, a missing or unreadable file), a
     full or read-only disk, memory that runs out or a failed download; None for a failure that keeps its traceback."""
-    disk = getattr(e, "errno", None) in DISK_ERRNOS  # full or read-only
-    memory = (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or getattr(e, "errno", None) == errno.ENOMEM
-              or "can't allocate memory" in str(e))  # torch's CPU allocator; ENOMEM: a loader process not started
+    disk, memory = getattr(e, "errno", None) in DISK_ERRNOS, out_of_memory(e)  # disk: full or read-only
     if not (disk or memory or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
         return None
     message = str(e)
@@ -73,6 +71,11 @@ def error_line(e):
         detail = (message.split("DefaultCPUAllocator: ")[-1].splitlines() or [type(e).__name__])[0]
         message = f"out of memory: {detail}; a smaller batch or model, or fewer loader workers, needs less"
     return message
+
+
+def out_of_memory(e):
+    return (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or getattr(e, "errno", None) == errno.ENOMEM
+            or "can't allocate memory" in str(e))  # torch's CPU allocator; ENOMEM: a loader process not started
 
 
 def end_interrupted(name):
