@@ -116,11 +116,11 @@ def retrieval_metrics(sim, text_pair, text_id=None, pair_id=None):
     text_to_pair = 1 + ((sim >= true_score[None, :]) & (pair_id[:, None] != images[None, :])).sum(axis=0)
     # For pair -> text, every caption of the pair's images is its own, and another's caption of the same
     # words as one of them is no competitor: its vector is the same, and it is right for both.
-    order = np.argsort(images, kind="stable")
-    hidden = np.zeros((pair_id.max() + 1, n_texts), dtype=bool)
+    order, n_images = np.argsort(images, kind="stable"), pair_id.max() + 1
+    hidden = np.zeros((n_images, n_texts), dtype=bool)
     hidden[same_text_elsewhere(images[order], text_id[order])] = True
     competing = np.where(hidden[pair_id], -np.inf, sim[:, order])
-    starts = np.searchsorted(images[order], np.arange(pair_id.max() + 1))
+    starts = np.searchsorted(images[order], np.arange(n_images))
     best = np.maximum.reduceat(competing, starts, axis=1)  # best[i, k]: pair i and image pair k's closest caption
     pair_to_text = (best >= best[np.arange(n_pairs), pair_id][:, None]).sum(axis=1)
     return {"pair_to_text": rank_summary(pair_to_text), "text_to_pair": rank_summary(text_to_pair, lower_median=True)}

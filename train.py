@@ -483,12 +483,9 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
         checkpoint()
 
     with locked(out) if rank() == 0 else nullcontext():
-        try:  # another run may have written here since this one started: every process refuses alike
-            refusal = check_run_folder(cfg, held=True) if rank() == 0 else None
-        except InputError as e:
-            refusal = str(e)
-        if refusal := gather_objects(refusal)[0]:
-            raise InputError(refusal)
+        with in_turns() as turn:  # another run may have written here since this one started: all refuse alike
+            if turn == 0:
+                check_run_folder(cfg, held=True)
         if cfg.resume:
             state = resume(out / "last.pt", run, saved["model_config"])
         training_begun = True  # from here a process may fail its own way (on its slice of the data): each says it
