@@ -16,8 +16,10 @@ pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR 
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -217,10 +219,20 @@ def ptb_tokenize(refs, preds):
     require_java()
     captions = {("ref", k): [{"caption": " ".join(c.split())} for c in v] for k, v in refs.items()}
     captions.update({("pred", k): [{"caption": " ".join(c.split())}] for k, c in preds.items()})
-    tokens = PTBTokenizer().tokenize(captions)
-    if sum(map(len, tokens.values())) != sum(map(len, captions.values())):  # Java failed
-        raise InputError("the PTB tokenizer of pycocoevalcap (run in Java) did not give back a line for each caption "
-                         "(Java says why above)")
+    with tempfile.TemporaryFile() as stderr:  # Java writes why it failed there: it goes into our one line
+        sys.stderr.flush()
+        ours = os.dup(2)
+        os.dup2(stderr.fileno(), 2)
+        try:
+            tokens = PTBTokenizer().tokenize(captions)
+        finally:
+            os.dup2(ours, 2)
+            os.close(ours)
+        if sum(map(len, tokens.values())) != sum(map(len, captions.values())):
+            stderr.seek(0)
+            said = java_said(stderr.read().decode(errors="replace")) or "it ended without a word"
+            raise InputError(f"the PTB tokenizer of pycocoevalcap (run in Java) did not give back a line for each "
+                             f"caption: {said}")
     return {k: tokens[("ref", k)] for k in refs}, {k: tokens[("pred", k)] for k in refs}
 
 

@@ -121,8 +121,9 @@ def test_a_java_that_only_says_there_is_none_is_explained(tmp_path, monkeypatch)
         caption_metrics(REFS, PREDS)
 
 
-def test_a_java_program_of_pycocoevalcap_that_fails_is_named(monkeypatch):
-    """A METEOR whose files are gone, say, ends in one line with Java's words, not with a traceback."""
+def test_a_java_program_of_pycocoevalcap_that_fails_is_named(monkeypatch, capfd):
+    """A METEOR whose files are gone, say, ends in one line with Java's words, not with a traceback,
+    and Java prints nothing of its own before it."""
     import pycocoevalcap.meteor.meteor as meteor
     monkeypatch.setattr(meteor, "METEOR_JAR", "gone.jar")
     with pytest.raises(InputError, match=r"^METEOR \(pycocoevalcap's meteor-1.5.jar, run in Java\) stopped: "
@@ -130,8 +131,11 @@ def test_a_java_program_of_pycocoevalcap_that_fails_is_named(monkeypatch):
         caption_metrics(REFS, PREDS, only=("METEOR",))
     import pycocoevalcap.tokenizer.ptbtokenizer as ptb
     monkeypatch.setattr(ptb, "STANFORD_CORENLP_3_4_1_JAR", "gone.jar")
-    with pytest.raises(InputError, match="the PTB tokenizer of pycocoevalcap .* did not give back a line for each"):
+    with pytest.raises(InputError, match=r"^the PTB tokenizer of pycocoevalcap \(run in Java\) did not give back a line "
+                                         "for each caption: Error: Could not find or load main class "
+                                         r"edu\.stanford\.nlp\.process\.PTBTokenizer; "):
         caption_metrics(REFS, PREDS, only=("CIDEr",))
+    assert capfd.readouterr().err == ""
 
 
 def test_format_table_like_tables_1_and_2():
