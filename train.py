@@ -502,6 +502,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                 with autocast:
                     loss = net(*batch)
                 update(model, loss, optimizer, scaler, cfg.grad_clip)
+                lr = max(schedule.get_last_lr())  # the rate of this step, which a progress line reports
                 schedule.step()
                 if after_step:
                     after_step()
@@ -513,7 +514,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                     extra = "".join(f" {k} {v}" for k, v in (log_extra() if log_extra else {}).items())
                     seconds = time.time() - since
                     print(f"epoch {epoch + 1}/{cfg.epochs} step {state['step']}/{total} loss {value:.4f} "
-                          f"lr {max(schedule.get_last_lr()):.2e}{extra} pairs/s {pairs / seconds:.1f} "
+                          f"lr {lr:.2e}{extra} pairs/s {pairs / seconds:.1f} "
                           f"eta {data.format_eta((total - state['step']) * seconds / steps)}", flush=True)
                     since, pairs, steps = time.time(), 0, 0
                 # An epoch's end and the run's end save after validating: killed while validating, a run

@@ -177,6 +177,17 @@ def test_best_checkpoint_follows_the_validation_score_and_patience_stops_early(t
     assert (tmp_path / "best.pt").exists()
 
 
+def test_a_progress_line_reports_the_rate_its_step_trained_at(tmp_path, capsys):
+    """Warm-up to 1e-3 over the first of 12 steps, then linear decay: the 6th trains at 1e-3 * 7 / 11, the
+    last at 1e-3 / 11, not at the next step's rate (0 after the last)."""
+    torch.manual_seed(0)
+    model = tiny_pair_encoder()
+    fit(config(tmp_path, epochs=2, log_every=6, warmup=0.1), model, ToyPairs(), lambda: (0.0, {}),
+        model.new_parameter_names(), "linear")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ") and " lr " in line]
+    assert [line.split(" lr ")[1].split()[0] for line in lines] == [f"{1e-3 * 7 / 11:.2e}", f"{1e-3 / 11:.2e}"]
+
+
 def test_a_diverged_loss_stops_the_run_at_the_next_progress_line(tmp_path):
     torch.manual_seed(0)
     model = tiny_pair_encoder()
