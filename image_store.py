@@ -28,7 +28,7 @@ class ImageStore:
 
     def __init__(self, pairs, size, folder):
         files = sorted({os.path.abspath(q) for p in pairs for q in (p.before, p.after, p.distractor) if q})
-        self.path, self.size, self.pixels = Path(folder) / f"store_{size}px.u8", size, None
+        self.path, self.size = Path(folder) / f"store_{size}px.u8", size
         self.row = {f: i for i, f in enumerate(files)}
         index_path = self.path.with_suffix(".json")
         index = {"size": size, "files": [[f, *stamp(f)] for f in files]}
@@ -44,12 +44,22 @@ class ImageStore:
                 raise InputError(f"--cache: cannot write the image store {self.path} ({e.strerror}): pass --no-cache") from None
             build_store(self.path, files, size)
             data.write_file(index_path, json.dumps(index))
+        # Mapped now, the file just checked, which forked loader processes (new at each validation) inherit:
+        # mapped later by its path, it may be gone, or hold another image list's rows, as another run that
+        # finds the data changed removes and rebuilds it
+        self.pixels = self.map()
+
+    def map(self):
+        return np.memmap(self.path, np.uint8, "r", shape=(len(self.row), 3, self.size, self.size))
+
+    def __getstate__(self):  # a spawned process (macOS) maps the path itself: pickled, the map would copy every image
+        return {**vars(self), "pixels": None}
 
     def __call__(self, path, size):
         if size != self.size:
             raise InputError(f"{self.path} holds {self.size} px images, not {size} px")
-        if self.pixels is None:  # mapped in each process that reads, DataLoader workers included
-            self.pixels = np.memmap(self.path, np.uint8, "r", shape=(len(self.row), 3, size, size))
+        if self.pixels is None:
+            self.pixels = self.map()
         return torch.from_numpy(np.array(self.pixels[self.row[os.path.abspath(path)]]))
 
 

@@ -1,6 +1,8 @@
-"""The image store when its build fails or its files are damaged: no temporary file is left behind,
-and a store cut short or an index that cannot be read is rebuilt, not an error."""
+"""The image store when its build fails, its files are damaged or another run rebuilds it: no temporary file
+is left behind, a store cut short or an index that cannot be read is rebuilt, not an error, and a run reads
+the store it checked."""
 import errno
+import pickle
 import re
 from pathlib import Path
 
@@ -10,7 +12,7 @@ from PIL import Image
 
 import data
 import image_store
-from test_data_readers import write_clevr
+from test_data_readers import png, write_clevr
 
 
 def images(pairs):
@@ -74,3 +76,24 @@ def test_the_store_is_built_by_as_many_processes_as_this_process_has_cores(tmp_p
     monkeypatch.setattr(data, "worker_pool", lambda n, pool=data.worker_pool: pools.append(n) or pool(n))
     image_store.build_store(tmp_path / "store.u8", files, 8)
     assert pools == [1] and (tmp_path / "store.u8").stat().st_size == 130 * 3 * 8 * 8
+
+
+def test_a_run_reads_the_store_it_checked_while_another_run_rebuilds_it(tmp_path):
+    """Another run that finds the data changed removes the store and writes a new one, of another image list
+    here: this run's loader processes, started at each validation, read the file it checked, not a missing
+    file nor another list's rows; a copy sent to a spawned process carries no pixels."""
+    write_clevr(tmp_path / "d")
+    pairs = data.read_split("clevr", tmp_path / "d", "train")
+    for i, path in enumerate(images(pairs)):  # each image its own colour, so that a wrong row shows
+        png(path, (i, 10, 10))
+    store = image_store.ImageStore(pairs, 16, tmp_path / "d")
+    assert len(pickle.dumps(store)) < store.path.stat().st_size
+    store.path.unlink()  # the other run's build has begun
+    assert serves_the_files(store, pairs)
+    png(tmp_path / "d" / "images" / "CLEVR_0.png", (0, 0, 255))  # its list holds an image that comes first
+    image_store.ImageStore(pairs + [data.Pair("0", *[tmp_path / "d" / "images" / "CLEVR_0.png"] * 2, ["new"])], 16,
+                           tmp_path / "d")
+    loader = torch.utils.data.DataLoader(data.EvalDataset(pairs, 16, store), batch_size=len(pairs), num_workers=1)
+    _, before, after = next(iter(loader))
+    assert torch.equal(before, torch.stack([data.read_pixels(p.before, 16) for p in pairs]))
+    assert torch.equal(after, torch.stack([data.read_pixels(p.after, 16) for p in pairs]))
