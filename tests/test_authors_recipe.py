@@ -8,10 +8,12 @@ import torch
 
 import adapt
 import caption
+import clip_weights
 import synth
 import train
-from model import EOT
+from model import EOT, contrastive_loss
 from test_authors_checkpoints import IO, authors_state_dict
+from tiny import tiny_pair_encoder
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 SMALL = ["--data", "synth", "--max_steps", "2", "--batch_size", "8", "--workers", "0"]
@@ -111,3 +113,42 @@ def test_readme_table_says_what_the_code_does():
                 assert f"`--{flag} {value}`" in README
                 assert f"`--{flag} {getattr(config, flag)}`" in README  # beside the default it replaces
     assert "(IP-T + T-IP) / 2" in table_row("stage-1 loss")
+
+
+def recipe_leaves_as_ours():
+    return next(p for p in README.split("\n\n") if p.startswith("What the recipe leaves as ours"))
+
+
+def test_readme_names_the_new_parameters_their_optimiser_decays_and_ours_does_not():
+    model = small_encoder("paper")
+    theirs, new = clip_weights.authors_names(model), model.new_parameter_names()
+    optimizer = train.make_optimizer(model, new, adapt.AdaptConfig())
+    ours = {id(p): group["weight_decay"] > 0 for group in optimizer.param_groups for p in group["params"]}
+    # their prep_optimizer decays every parameter whose name holds neither "bias" nor "LayerNorm."
+    differ = {n for n, p in model.named_parameters() if n in new and "bias" not in theirs[n] and not ours[id(p)]}
+    assert differ == {"e1", "e2", "ln_inter.weight"}  # at --lr, where weight decay moves them
+    assert all(re.search(rf"\b{name}\b", recipe_leaves_as_ours()) for name in ("e1", "e2", "ln_inter"))
+
+
+def test_their_all_gather_halves_the_encoders_gradient_on_their_two_gpus_and_the_readme_says_so():
+    torch.manual_seed(0)
+    model = tiny_pair_encoder()
+    before, after = torch.randn(2, 4, 3, 32, 32)
+    tokens = torch.randint(1, 1000, (4, 12))
+    tokens[:, 6], tokens[:, 7:] = EOT, 0
+
+    def vectors():
+        return model.pool(model.encode_pair(before, after)), model.encode_text(tokens)
+
+    contrastive_loss(*vectors(), model.clip.logit_scale).backward()  # one process on the whole batch
+    whole = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    v, g = vectors()
+    for rank in range(2):  # their AllGather.backward: each process's own two rows get a gradient, the rest none
+        own = (torch.arange(4) // 2 == rank)[:, None]
+        v_r, g_r = (torch.where(own, x, x.detach()) for x in (v, g))
+        (contrastive_loss(v_r, g_r, model.clip.logit_scale) / 2).backward(retain_graph=True)  # DDP averages
+    for name, p in model.named_parameters():
+        share = 1 if name == "clip.logit_scale" else 0.5
+        torch.testing.assert_close(p.grad, share * whole[name], rtol=1e-4, atol=1e-7, msg=name)
+    assert "two GPUs the encoders learn from half the gradient" in " ".join(recipe_leaves_as_ours().split())
