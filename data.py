@@ -352,6 +352,8 @@ def new_folders(folder):
 
 
 def running(pid):
+    if os.name == "nt":  # Windows' os.kill ends the process whatever the signal: what it left stays
+        return True
     try:
         os.kill(pid, 0)  # no signal is sent: only whether the process exists
     except ProcessLookupError:

@@ -117,6 +117,18 @@ def test_what_killed_writers_left_is_removed_by_the_next_one(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("synth*")) == ["synth"]
 
 
+def test_on_windows_no_process_is_asked_whether_it_runs(monkeypatch):
+    """There os.kill(pid, 0) would end the process: a leftover's writer counts as running, its file stays."""
+    ended = subprocess.Popen([sys.executable, "-c", ""])
+    ended.wait()
+    killed = []
+    with monkeypatch.context() as patch:  # undone before pytest, which reads os.name, reports
+        patch.setattr(data.os, "kill", lambda pid, sig: killed.append(pid))
+        patch.setattr(data.os, "name", "nt")
+        said = data.running(ended.pid)
+    assert said and killed == []
+
+
 READ_ARRAY = data.read_array
 
 
