@@ -55,11 +55,13 @@ class ImageStore:
     def __getstate__(self):  # a spawned process (macOS) maps the path itself: pickled, the map would copy every image
         return {**vars(self), "pixels": None}
 
+    def __setstate__(self, state):
+        vars(self).update(state)
+        self.pixels = self.map()
+
     def __call__(self, path, size):
         if size != self.size:
             raise InputError(f"{self.path} holds {self.size} px images, not {size} px")
-        if self.pixels is None:
-            self.pixels = self.map()
         return torch.from_numpy(np.array(self.pixels[self.row[os.path.abspath(path)]]))
 
 
