@@ -195,7 +195,7 @@ def fit_rate(args, device, pairs, size, store):
                          compile=args.modes[-1] != "eager", workers=args.workers, log_every=max(1, args.fit_steps // 5),
                          max_steps=args.fit_steps, save_every=10 ** 9, epochs=1)
         print(f"train.fit, {args.fit_steps} steps of {args.batch}, {cfg.amp}, compiled {cfg.compile}, workers "
-              f"{data.loader_workers(cfg.workers, device)} (the first lines include compilation):")
+              f"{data.loader_workers(cfg.workers, device)}{' (the first lines include compiling)' * cfg.compile}:")
         train.fit(cfg, model, dataset, lambda: (0.0, {}), model.new_parameter_names(), "cosine")
 
 

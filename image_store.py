@@ -1,6 +1,6 @@
 """The image store (--cache): every image of a dataset decoded and resized once, at the model's input
 size, into one uint8 file beside the data, which the datasets of data.py read in place of the files.
-train.prepare_data builds it on rank 0; bench.py times reading it against decoding.
+train.prepare_data builds it in turns, rank 0 first (train.in_turns); bench.py times reading it against decoding.
 """
 import errno
 import functools

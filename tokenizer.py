@@ -1,4 +1,4 @@
-"""CLIP's byte-level BPE tokenizer, OpenAI's rewritten here: `tokenize` matches `clip.tokenize`.
+"""CLIP's byte-level BPE tokenizer, OpenAI's rewritten here: `tokenize` matches `clip.tokenize(..., truncate=True)`.
 
     from tokenizer import tokenize
     tokenize(["the red cube moved"], context_length=32)  # [1, 32]: SOT, BPE ids, EOT, zero padding
@@ -101,6 +101,6 @@ def tokenize(texts, context_length=77):
     tok = get_tokenizer()
     out = torch.zeros(len(texts), context_length, dtype=torch.long)
     for row, text in enumerate(texts):
-        ids = ([SOT] + tok.encode(text))[:context_length - 1] + [EOT]  # as clip.tokenize: [EOT] alone at length 1
+        ids = ([SOT] + tok.encode(text))[:context_length - 1] + [EOT]  # clip's truncate=True: [EOT] alone at length 1
         out[row, :len(ids)] = torch.tensor(ids)
     return out

@@ -1,6 +1,6 @@
 """The training machinery both stages share: flags from a config dataclass, device, precision and
-processes, parameter groups, the learning-rate schedule, the order of the data and its loader,
-atomic checkpoints, resume, and the loop. adapt.py (stage 1) and caption.py (stage 2) build on it.
+processes, parameter groups, the learning-rate schedule, atomic checkpoints, resume, and the loop (the
+order of the data and its loader: data.py). adapt.py (stage 1) and caption.py (stage 2) build on it.
 
 Several GPUs, on one machine or many, run through torchrun (NCCL on CUDA, gloo on CPU):
 
