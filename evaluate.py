@@ -91,10 +91,9 @@ def retrieval_metrics(sim, text_pair, text_id=None, pair_id=None):
     against the best caption of every other pair: a pair has several correct captions and retrieving
     any of them is a hit, so is retrieving another pair's caption that reads the same as one of them.
     """
-    if hasattr(sim, "detach"):
-        sim = sim.detach().float().cpu().numpy()
-    sim, text_pair = np.asarray(sim), np.asarray(text_pair)
-    text_id = np.arange(len(text_pair)) if text_id is None else np.asarray(text_id)
+    sim = sim.detach().float().cpu().numpy() if hasattr(sim, "detach") else np.asarray(sim)
+    text_pair = np.asarray(text_pair)
+    text_id = np.unique(np.arange(len(text_pair)) if text_id is None else text_id, return_inverse=True)[1]  # 0, 1, ...
     n_pairs, n_texts = sim.shape
     pair_id = np.unique(np.arange(n_pairs) if pair_id is None else pair_id, return_inverse=True)[1]  # 0, 1, ...
     if text_pair.shape != (n_texts,) or text_pair.min() < 0 or text_pair.max() >= n_pairs:
@@ -119,23 +118,14 @@ def retrieval_metrics(sim, text_pair, text_id=None, pair_id=None):
     # For pair -> text, every caption of the pair's images is its own, and another's caption of the same
     # words as one of them is no competitor: its vector is the same, and it is right for both.
     order, n_images = np.argsort(images, kind="stable"), pair_id.max() + 1
-    hidden = np.zeros((n_images, n_texts), dtype=bool)
-    hidden[same_text_elsewhere(images[order], text_id[order])] = True
+    owns = np.zeros((n_images, text_id.max() + 1), dtype=bool)  # owns[k, t]: image pair k has a caption t
+    owns[images, text_id] = True
+    hidden = owns[:, text_id[order]] & (np.arange(n_images)[:, None] != images[order])  # another's caption of k's words
     competing = np.where(hidden[pair_id], -np.inf, sim[:, order])
     starts = np.searchsorted(images[order], np.arange(n_images))
     best = np.maximum.reduceat(competing, starts, axis=1)  # best[i, k]: pair i and image pair k's closest caption
     pair_to_text = (best >= best[np.arange(n_pairs), pair_id][:, None]).sum(axis=1)
     return {"pair_to_text": rank_summary(pair_to_text), "text_to_pair": rank_summary(text_to_pair, lower_median=True)}
-
-
-def same_text_elsewhere(text_pair, text_id):
-    """Rows i and columns j where caption j, of another pair, reads the same as a caption of pair i.
-    Templated captions repeat across pairs: a quarter of 4,000 synthetic CLEVR-Change pairs' captions."""
-    owners = {}
-    for i, t in zip(text_pair.tolist(), text_id.tolist()):
-        owners.setdefault(t, set()).add(i)
-    hidden = [(i, j) for j, (own, t) in enumerate(zip(text_pair.tolist(), text_id.tolist())) for i in owners[t] - {own}]
-    return tuple(np.array(hidden, dtype=int).reshape(-1, 2).T)
 
 
 def format_retrieval(metrics):
@@ -291,8 +281,7 @@ def per_type_cider(refs, preds, types):
                              f"type be one of {CHANGE_TYPES}")
         ids_of[t].append(k)
     gts, res = ptb_tokenize(refs, preds)
-    return {t: cider({k: gts[k] for k in ids}, {k: res[k] for k in ids})
-            for t, ids in ids_of.items() if ids}
+    return {t: cider({k: gts[k] for k in ids}, {k: res[k] for k in ids}) for t, ids in ids_of.items() if ids}
 
 
 def score_items(items, preds):
@@ -309,8 +298,7 @@ def format_table(metrics):
     """Caption metrics as in Table 1 (B = BLEU-4, M, C, R) and, if present, Table 2's CIDEr by type."""
     columns = {"B": "BLEU-4", "M": "METEOR", "C": "CIDEr", "R": "ROUGE-L"}
     lines = ["".join(f"{c:>8}" for c in columns), "".join(f"{metrics[m]:>8.1f}" for m in columns.values())]
-    if "per_type" in metrics:
-        per_type = metrics["per_type"]
+    if per_type := metrics.get("per_type"):
         lines += ["", "CIDEr by change type", "".join(f"{h:>8}" for h in ("C", "T", "M", "A", "D", "DI")),
                   "".join(f"{per_type[t]:>8.1f}" if t in per_type else f"{'-':>8}" for t in CHANGE_TYPES)]
     return "\n".join(lines)
@@ -534,10 +522,7 @@ def main(argv=None):
     if not isinstance(captioner, Captioner):
         parser.error(f"{args.ckpt} holds a stage-1 pair encoder: captions need a stage-2 checkpoint "
                      "(caption.py's best.pt, or the authors' trained pytorch_model.bin)")
-    if args.pair:
-        caption_one_pair(captioner, args, device)
-    else:
-        caption_pairs(captioner, args, device)
+    (caption_one_pair if args.pair else caption_pairs)(captioner, args, device)
 
 
 if __name__ == "__main__":

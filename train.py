@@ -77,7 +77,7 @@ def main(run, argv=None):
         status = data.end_interrupted(name)
     if distributed():
         if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
-            barrier()
+            dist.barrier()
             dist.destroy_process_group()
         # gloo's thread may free the last all-gather's tensors after it returned, which takes the GIL: were the
         # interpreter shutting down by then, the process would abort (SIGABRT). All is written: leave at once.
@@ -260,11 +260,6 @@ def rank():
 
 def world():
     return dist.get_world_size() if distributed() else 1
-
-
-def barrier():
-    if distributed():
-        dist.barrier()
 
 
 def gather_objects(obj):
