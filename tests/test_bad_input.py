@@ -469,6 +469,9 @@ def test_help_describes_every_flag_and_what_synth_and_the_recipe_change(capsys):
     (["--batch_size", "8"], "'batch_size': (16, 8)"),
     (["--amp", "bf16"], "'amp': ('auto', 'bf16')"),
     (["--max_steps", "3"], "'max_steps': (2, 3)"),
+    (["--epochs", "2"], "'epochs': (1, 2)"),
+    (["--warmup", "0.2"], "'warmup': (0.1, 0.2)"),
+    (["--seed", "7"], "'seed': (42, 7)"),
 ])
 def test_resume_refuses_changed_settings(root, unfinished, capsys, flags, changed):
     before = snapshot(unfinished)

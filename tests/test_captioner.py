@@ -58,6 +58,14 @@ def test_generation_stops_each_row_at_eot():
     assert ids.tolist() == [[SOT, EOT], [SOT, EOT]]
 
 
+def test_a_row_that_has_ended_is_padded_while_the_others_go_on():
+    model = tiny_captioner(max_len=10)
+    choices = iter([[EOT, 320], [320, 518], [EOT, EOT]])
+    model.logits = lambda y: torch.nn.functional.one_hot(torch.tensor(next(choices)), 49408).float()
+    ids = model.generate(*torch.randn(2, 2, 3, 32, 32))
+    assert ids.tolist() == [[SOT, EOT, 0, 0], [SOT, 320, 518, EOT]]
+
+
 def test_caption_loss_is_the_cross_entropy_of_real_tokens_only():
     model = tiny_captioner()
     before, after = torch.randn(2, 2, 3, 32, 32)

@@ -51,7 +51,10 @@ def test_clevr_eval_items_add_each_distractor_as_a_no_change_pair(tmp_path):
 
 
 def test_clevr_ids_without_captions_are_skipped_and_counted(tmp_path, caplog):
-    write_clevr(tmp_path, ids=(1, 2, 3, 4), uncaptioned=(2, 4))
+    write_clevr(tmp_path, ids=(1, 2, 3, 4), uncaptioned=(2,))
+    no_change = json.loads((tmp_path / "no_change_captions.json").read_text())
+    del no_change["CLEVR_default_000004.png"]
+    (tmp_path / "no_change_captions.json").write_text(json.dumps(no_change))
     with caplog.at_level(logging.WARNING):
         pairs = data.read_split("clevr", tmp_path, "train")
     assert [p.id for p in pairs] == ["000001.png", "000003.png"]

@@ -115,6 +115,15 @@ def test_a_checkpoint_is_scored_under_the_amp_its_run_was_scored_under(root, tmp
         assert evaluate.read_predictions(tmp_path / str(amp) / "test_predictions.json") == expected
 
 
+def test_the_blind_baseline_writes_the_most_frequent_training_caption_for_every_pair():
+    train_pairs = [data.Pair("0", Path("a"), Path("b"), ["the cube moved", "a ball left"], "move", Path("c"),
+                             ["nothing has changed"]),
+                   data.Pair("1", Path("a"), Path("b"), ["a ball left"], "drop", Path("c"), ["nothing has changed"]),
+                   data.Pair("2", Path("a"), Path("b"), ["the cube moved"], "move", Path("c"), ["nothing has changed"])]
+    items = data.eval_items(train_pairs[:2])
+    assert evaluate.blind_baseline(train_pairs, items) == {item.id: "nothing has changed" for item in items}
+
+
 def test_duplicate_predictions_are_rejected(tmp_path):
     path = tmp_path / "preds.json"
     path.write_text(json.dumps([{"image_id": "000001.png", "caption": c} for c in ("a", "b")]))

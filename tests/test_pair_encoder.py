@@ -20,6 +20,14 @@ def test_pair_encoder_returns_projected_tokens_of_both_images(image_size, patch_
     assert model.config.n_inter == layers - n_intra
 
 
+def test_k_after_images_each_pair_with_their_own_before_image():
+    torch.manual_seed(0)
+    model = tiny_pair_encoder().eval()
+    before, after = torch.randn(3, 3, 32, 32), torch.randn(3, 2, 3, 32, 32)
+    expected = torch.stack([model.encode_pair(before, after[:, j]) for j in range(2)], 1).flatten(0, 1)
+    torch.testing.assert_close(model.encode_pair(before, after), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_pool_is_the_mean_of_the_two_class_tokens():
     tokens = torch.randn(3, 10, 8)  # n + 1 = 5 tokens per image
     assert torch.equal(tiny_pair_encoder().pool(tokens), (tokens[:, 0] + tokens[:, 5]) / 2)

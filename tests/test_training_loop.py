@@ -166,6 +166,16 @@ def test_grad_clip_0_turns_clipping_off(grad_clip, clipped):
     assert norm == pytest.approx(1e-3) if clipped else norm > 100
 
 
+def test_under_a_grad_scaler_the_true_gradients_are_clipped():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss = model(torch.ones(2, 4)).sum() * 100
+    train.update(model, loss, optimizer, torch.amp.GradScaler("cpu"), 1e-3)
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert norm == pytest.approx(1e-3)
+
+
 def test_best_checkpoint_follows_the_validation_score_and_patience_stops_early(tmp_path):
     torch.manual_seed(0)
     model = tiny_pair_encoder()
