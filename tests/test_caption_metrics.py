@@ -98,6 +98,8 @@ def test_bad_requests_are_explained():
     with pytest.raises(ValueError, match=r"1 without a prediction \(e\.g\. \['000002'\]\), 1 without "
                                          r"references \(e\.g\. \['999999'\]\)"):
         caption_metrics(REFS, preds)
+    with pytest.raises(ValueError, match=r"ids without reference captions: \['000002'\]"):
+        caption_metrics(REFS | {"000002": []}, PREDS)
     with pytest.raises(ValueError, match="'000009' of change type 'color': the id must have references"):
         per_type_cider(REFS, PREDS, {"000001": "color", "000009": "color"})
     with pytest.raises(ValueError, match="'000001' of change type 'colour'"):

@@ -135,14 +135,27 @@ def test_pairs_of_the_same_two_images_do_not_compete():
         retrieval_metrics(sim, [0, 1, 2], pair_id=[0, 0])
 
 
+def ier_test_split(root, entries):
+    """Image-Editing-Request's layout holding entries (before colour, after colour, sentence); its test pairs."""
+    (root / "images").mkdir()
+    (root / "dataset" / "adobe").mkdir(parents=True)
+    for colour in {c for entry in entries for c in entry[:2]}:
+        Image.new("RGB", (40, 30), colour).save(root / "images" / f"{colour}.jpg")
+    (root / "dataset" / "adobe" / "test.json").write_text(json.dumps(
+        [{"img0": f"{b}.jpg", "img1": f"{a}.jpg", "sents": [s], "uid": f"Reddit_{n}"}
+         for n, (b, a, s) in enumerate(entries)]))
+    return data.read_split("ier", root, "test")
+
+
 def test_retrieval_knows_pairs_of_the_same_image_files(tmp_path):
-    (tmp_path / "images").mkdir()
-    for name, colour in (("a.jpg", "red"), ("b.jpg", "blue")):
-        Image.new("RGB", (40, 30), colour).save(tmp_path / "images" / name)
-    (tmp_path / "dataset" / "adobe").mkdir(parents=True)
-    (tmp_path / "dataset" / "adobe" / "test.json").write_text(json.dumps(
-        [{"img0": "a.jpg", "img1": "b.jpg", "sents": [s], "uid": f"Reddit_{n}"}
-         for n, s in enumerate(["make it blue", "turn the red to blue"])]))
+    pairs = ier_test_split(tmp_path, [("red", "blue", "make it blue"), ("red", "blue", "turn the red to blue")])
     torch.manual_seed(0)
-    m = retrieval(tiny_pair_encoder(), data.read_split("ier", tmp_path, "test"), torch.device("cpu"), workers=0)
+    m = retrieval(tiny_pair_encoder(), pairs, torch.device("cpu"), workers=0)
     assert m["text_to_pair"]["R@1"] == m["pair_to_text"]["R@1"] == 100.0  # counted apart: 0 and 50
+
+
+def test_retrieval_knows_captions_of_the_same_words(tmp_path):
+    pairs = ier_test_split(tmp_path, [("red", "blue", "make it blue"), ("green", "white", "make it blue")])
+    torch.manual_seed(0)
+    m = retrieval(tiny_pair_encoder(), pairs, torch.device("cpu"), workers=0)
+    assert m["pair_to_text"]["R@1"] == 100.0  # counted apart, each pair ties with the other's caption and loses: 0

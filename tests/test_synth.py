@@ -146,6 +146,14 @@ def test_distractor_camera_shifts_and_zooms_the_objects():
     assert np.array_equal(red_box(light=0.85), box)
 
 
+def test_distractor_cameras_move_zoom_and_light_either_way_within_their_ranges():
+    cameras = [synth.synth_pair(i, seed=0)[0]["distractor_camera"] for i in range(200)]
+    assert all(abs(c["dx"]) <= 10 and abs(c["dy"]) <= 6 and 0.94 <= c["zoom"] <= 1.06 for c in cameras)
+    assert all(0.08 <= round(abs(c["light"] - 1), 3) <= 0.2 for c in cameras)
+    assert min(c["light"] for c in cameras) < 1 < max(c["light"] for c in cameras)
+    assert min(c["dx"] for c in cameras) < 0 < max(c["dx"] for c in cameras)
+
+
 def test_ensure_synth_generates_only_when_missing(tmp_path, caplog):
     root = synth.ensure_synth(tmp_path / "s", pairs=10, seed=1)
     assert len(data.read_split("synth", root, "train")) == 8
