@@ -130,6 +130,7 @@ def test_layer_split_beyond_the_vision_layers_is_refused(tmp_path):
     torch.save(authors_state_dict(1), tmp_path / "pytorch_model.bin")
     with pytest.raises(InputError, match="--n_intra 5: .* has 4 vision layers"):
         clip_weights.load_checkpoint(tmp_path / "pytorch_model.bin", n_intra=5)
+    assert clip_weights.load_checkpoint(tmp_path / "pytorch_model.bin", n_intra=4).config.n_inter == 0
 
 
 @pytest.mark.parametrize("heads", [0, -1, 5])

@@ -106,6 +106,21 @@ def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(root, tmp_path, ca
     assert torch.load(out / "last.pt", weights_only=True)["config"]["seed"] == 7
 
 
+def test_a_checkpoint_write_a_killed_run_left_goes_when_the_next_run_takes_the_folder(root, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "last.pt.tmp").write_bytes(b"half a checkpoint")
+    (out / "best.pt.tmp").write_bytes(b"half a checkpoint")
+    (out / "notes.tmp").write_text("the user's own")
+
+    def killed(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "update", killed)
+    with pytest.raises(KeyboardInterrupt):
+        adapt.main([str(f) for f in SMALL + ["--data_root", root, "--out_dir", out]])
+    assert os.listdir(out) == ["notes.tmp"]
+
+
 def test_a_run_finished_in_the_folder_while_another_started_there_is_kept(root, stage_1, tmp_path, capsys, monkeypatch):
     """Two runs started together on one folder: the later to reach training finds the other's results there."""
     out, lock = tmp_path / "run", train.locked
@@ -209,6 +224,15 @@ def test_flags_are_checked_before_anything_is_built(tmp_path, capsys, monkeypatc
     (tmp_path / "a_link").symlink_to(tmp_path / "nowhere")
     assert message in error_of(capsys, adapt.main, *flags)
     assert sorted(os.listdir(tmp_path)) == ["a_file", "a_link"]  # no data generated, no run folder
+
+
+def test_both_ends_of_a_flags_range_are_accepted():
+    cfg = train.parse_config(adapt.AdaptConfig, adapt.SYNTH_DEFAULTS, "adapt", [
+        "--warmup", "1", "--beta2", "0.9999", "--seed", "4294967295", "--max_steps", "0", "--grad_clip", "0"])
+    assert (cfg.warmup, cfg.beta2, cfg.seed, cfg.max_steps, cfg.grad_clip) == (1, 0.9999, 2**32 - 1, 0, 0)
+    cfg = train.parse_config(caption.CaptionConfig, caption.SYNTH_DEFAULTS, "caption", [
+        "--dropout", "0.99", "--attn_dropout", "0.99", "--max_len", "2", "--patience", "0"])
+    assert (cfg.dropout, cfg.attn_dropout, cfg.max_len, cfg.patience) == (0.99, 0.99, 2, 0)
 
 
 def test_a_file_or_an_empty_folder_as_the_data_root_is_refused_before_any_work(tmp_path, capsys, monkeypatch):

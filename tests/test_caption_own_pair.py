@@ -112,6 +112,15 @@ def test_uniform_attention_gives_flat_maps():
     torch.testing.assert_close(maps["inter"], torch.full((2, 4, 4), 1 / 34))  # 2(n + 1) tokens per pair
 
 
+def test_both_images_of_an_attention_row_share_its_scale():
+    tile, images = figures.TILE, [Image.new("RGB", (figures.TILE, figures.TILE), "gray")] * 2
+    figure = figures.attention_figure(images, {"inter": torch.stack([torch.full((4, 4), 0.1), torch.full((4, 4), 0.2)])})
+    y = figures.HEADER + tile + figures.GAP + tile // 2
+    shown = [figure.getpixel((figures.MARGIN + c * (tile + figures.GAP) + tile // 2, y)) for c in (0, 1)]
+    assert shown == [Image.blend(images[0], figures.heatmap(torch.full((4, 4), w), tile), 0.5).getpixel((0, 0))
+                     for w in (0.5, 1.0)]
+
+
 def test_examples_figure_breaks_a_word_longer_than_a_line(tmp_path):
     before, after = write_pair(tmp_path)
     figure = figures.examples_figure([data.Pair("0", before, after, ["a" * 200], "move")], {"0": "b" * 200})

@@ -131,3 +131,9 @@ def test_the_training_words_are_the_tokens_after_sot_up_to_and_with_eot():
     assert caption.train_words(tokenizer.tokenize(["the cube moved", "a cube appeared"], 12)) == tuple(
         sorted({*encode("the cube moved"), *encode("a cube appeared"), EOT}))  # not SOT, nor the padding's 0
     assert 0 in caption.train_words(tokenizer.tokenize(["it moved!—"], 12))  # "!" before a dash is token 0, as the padding
+
+
+def test_every_captioner_flag_reaches_its_config():
+    cfg = caption.CaptionConfig(layers=2, heads=4, ffn=64, dropout=0.2, attn_dropout=0.3, max_len=20)
+    assert caption.captioner_config(cfg) == CaptionerConfig(layers=2, heads=4, ffn=64, dropout=0.2, attn_dropout=0.3,
+                                                            max_len=20)

@@ -147,6 +147,11 @@ def test_a_zip_file_whose_directory_is_damaged_is_named(tiny_sd, tmp_path):
         clip_weights.load(tmp_path / "ckpt.pt")
 
 
+def test_a_checkpoint_in_torchs_legacy_format_is_read_whole_where_mmap_was_asked(tiny_sd, tmp_path):
+    torch.save(tiny_sd, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    assert clip_weights.read_checkpoint(tmp_path / "old.pt", mmap=True).keys() == tiny_sd.keys()
+
+
 def test_unknown_name_lists_the_known_ones(tmp_path):
     with pytest.raises(FileNotFoundError, match="^ViT-H/99: no such file; expected a checkpoint file or one of ViT-B/32"):
         clip_weights.load("ViT-H/99")

@@ -231,3 +231,17 @@ def test_workers_and_cache_do_not_change_batches(tmp_path):
     reference = batches(0)
     for other in (batches(2), batches(2, image_store.ImageStore(pairs, 16, tmp_path / "s"))):
         assert all(torch.equal(x, y) for a, b in zip(reference, other) for x, y in zip(a, b))
+
+
+def test_epoch_sampler_draws_a_new_order_each_epoch_and_splits_each_batch_over_the_processes():
+    def keys(epoch, rank=0, world=1, skip=0):
+        sampler = data.EpochSampler(13, 3, 4, rank, world)
+        sampler.set_epoch(epoch, skip)
+        return list(sampler)
+
+    first, second = keys(0), keys(1)
+    assert len(first) == len(second) == 12 and len({i for _, i in first}) == 12
+    assert {e for e, _ in second} == {1} and [i for _, i in first] != [i for _, i in second]
+    assert keys(1) == second and keys(1, skip=4) == second[4:]
+    ranks = [keys(1, rank, 2) for rank in (0, 1)]
+    assert [k for b in range(3) for r in ranks for k in r[2 * b:2 * b + 2]] == second

@@ -1,6 +1,8 @@
 """The synthetic CLEVR-Change: its layout, determinism, and captions that say what the scene graphs changed."""
+import contextlib
 import json
 import re
+import types
 
 import numpy as np
 import pytest
@@ -182,3 +184,16 @@ def test_a_drawing_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         synth.write_synth(tmp_path / "s", 10, seed=1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_val_and_test_hold_a_tenth_of_the_pairs_each_and_at_most_200(tmp_path, monkeypatch):
+    @contextlib.contextmanager
+    def in_process(workers):
+        yield types.SimpleNamespace(imap=lambda draw, items, chunksize: map(draw, items))
+    monkeypatch.setattr(synth, "worker_pool", in_process)
+    monkeypatch.setattr(synth, "draw_pair", lambda i, seed, folder: (f"{i:06d}.png", {"change_type": "add"}, [], []))
+    for pairs, held_out in ((100, 10), (2500, 200)):
+        synth.write_synth(tmp_path / str(pairs), pairs, seed=0)
+        splits = json.loads((tmp_path / str(pairs) / "splits.json").read_text())
+        assert [len(splits[s]) for s in ("train", "val", "test")] == [pairs - 2 * held_out, held_out, held_out]
+        assert sorted(i for s in splits.values() for i in s) == list(range(pairs))

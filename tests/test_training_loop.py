@@ -1,11 +1,14 @@
 import errno
+import math
 import random
 from contextlib import nullcontext
 
 import pytest
 import torch
 
+import adapt
 import data
+import synth
 import train
 from adapt import AdaptConfig
 from clip_weights import save_atomic
@@ -295,6 +298,28 @@ def test_weight_decay_applies_to_matrices_only():
     new = {id(p) for n, p in model.named_parameters() if n in model.new_parameter_names()}
     for group in opt.param_groups:
         assert all((id(p) in new) == (group["lr"] == 1e-4) for p in group["params"])
+
+
+def test_optimizer_is_adamw_with_the_runs_beta2_and_eps_1e_6():
+    model = tiny_pair_encoder()
+    for beta2 in (0.98, 0.999):
+        opt = train.make_optimizer(model, model.new_parameter_names(), AdaptConfig(beta2=beta2))
+        assert isinstance(opt, torch.optim.AdamW)
+        assert all(g["betas"] == (0.9, beta2) and g["eps"] == 1e-6 for g in opt.param_groups)
+
+
+def test_the_temperature_is_kept_at_least_one_hundredth(tmp_path, monkeypatch):
+    synth.write_synth(tmp_path / "synth", 30, seed=5)
+    update = train.update
+
+    def overshooting(model, *args):
+        update(model, *args)
+        model.clip.logit_scale.data.fill_(math.log(1000))
+    monkeypatch.setattr(train, "update", overshooting)
+    adapt.main(["--data", "synth", "--data_root", str(tmp_path / "synth"), "--out_dir", str(tmp_path / "run"),
+                "--max_steps", "2", "--batch_size", "8", "--workers", "0"])
+    last = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert last["model"]["clip.logit_scale"].item() == pytest.approx(math.log(100))
 
 
 def test_resuming_an_early_stopped_run_trains_no_further(tmp_path):
