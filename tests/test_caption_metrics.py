@@ -81,6 +81,13 @@ def test_per_type_cider():
     assert cider["color"] == 100 * Cider().compute_score(gts, res)[0]
 
 
+def test_a_change_type_without_pairs_is_left_out():
+    refs, types = clevr_fixture()
+    refs = {k: v for k, v in refs.items() if types[k] != "add"}
+    cider = per_type_cider(refs, {k: v[0] for k, v in refs.items()}, {k: types[k] for k in refs})
+    assert tuple(cider) == ("color", "texture", "move", "drop", "distractor")
+
+
 def test_a_line_break_inside_a_caption_scores_as_a_space():
     refs, types = clevr_fixture()
     preds = {k: v[0] for k, v in refs.items()}
@@ -104,6 +111,8 @@ def test_bad_requests_are_explained():
         per_type_cider(REFS, PREDS, {"000001": "color", "000009": "color"})
     with pytest.raises(ValueError, match="'000001' of change type 'colour'"):
         per_type_cider(REFS, PREDS, {"000001": "colour"})
+    with pytest.raises(ValueError, match=r"0 without a prediction \(e\.g\. \[\]\), 1 without references"):
+        per_type_cider(REFS, PREDS | {"999999": "a cube"}, {"000001": "color"})
 
 
 def test_missing_java_is_explained(tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
 """`python evaluate.py --ckpt CKPT --pair BEFORE AFTER [--attention PNG]` on a tiny stage-2 checkpoint:
 the printed caption is the captioner's own, and the attention figure follows Figure 3."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -126,6 +128,14 @@ def test_examples_figure_breaks_a_word_longer_than_a_line(tmp_path):
     figure = figures.examples_figure([data.Pair("0", before, after, ["a" * 200], "move")], {"0": "b" * 200})
     width, height, gap, font_size, lines = figures.EXAMPLE
     assert figure.size == (2 * (2 * width + gap) + 12 * gap, height + gap + lines * (font_size + 3) + 6 * gap)
+
+
+def test_examples_are_the_first_of_each_change_type_in_table_2s_order_or_else_the_first_six():
+    types = ["move", "move", "material", "distractor", "color", "color", "drop", "add"]
+    items = [data.Pair(str(n), Path("b.png"), Path("a.png"), ["c"], t) for n, t in enumerate(types)]
+    assert [i.id for i in figures.example_items(items)] == ["4", "2", "0", "7", "6", "3"]
+    untyped = [data.Pair(str(n), Path("b.png"), Path("a.png"), ["c"]) for n in range(8)]
+    assert [i.id for i in figures.example_items(untyped)] == ["0", "1", "2", "3", "4", "5"]
 
 
 def cli_error(capsys, *argv):

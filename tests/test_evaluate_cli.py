@@ -1,6 +1,7 @@
 """`python evaluate.py --predictions ...` on a tiny folder in CLEVR-Change's layout: references come
 from data.py's readers, the json holds the paper's metrics and the per-type CIDEr of Table 2. Bad
 input and outputs that exist or cannot be written are refused in one line, before any scoring."""
+import argparse
 import errno
 import json
 import os
@@ -17,6 +18,7 @@ import clip_weights
 import data
 import evaluate
 import train
+from model import Captioner
 from test_caption_own_pair import save_checkpoint, tiny_captioner, write_pair
 
 OBJECTS = ["red cube", "blue sphere", "green cylinder"]
@@ -88,6 +90,37 @@ def test_captions_to_dev_stdout_in_a_redirected_file_are_json_lines_alone(ckpt, 
                         "/dev/stdout"], cwd=Path(__file__).parent.parent, stdout=stdout, check=True)
     lines = (tmp_path / "captions.jsonl").read_text().splitlines()
     assert [json.loads(line)["after"] for line in lines] == [str(after)] * 2
+
+
+def test_a_list_of_pairs_gets_each_pairs_own_caption_to_stdout_or_out(ckpt, tmp_path, capsys):
+    before, after = write_pair(tmp_path)
+    (tmp_path / "pairs.txt").write_text(f"{before.name} {after.name}\n\n{after.name}\t{before.name} \n")
+    captioner, lines = tiny_captioner(), ((before, after), (after, before))
+    expected = [{"before": str(b), "after": str(a), "caption": evaluate.ids_to_text(
+        captioner.generate(data.read_pixels(b, 32)[None], data.read_pixels(a, 32)[None]))[0]} for b, a in lines]
+    assert expected[0]["caption"] != expected[1]["caption"]
+    argv = ["--ckpt", ckpt, "--pairs", tmp_path / "pairs.txt", "--device", "cpu"]
+    evaluate.main([str(a) for a in argv])
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == expected
+    evaluate.main([str(a) for a in argv + ["--out", tmp_path / "captions.jsonl"]])
+    assert capsys.readouterr().out == f"wrote 2 captions to {tmp_path / 'captions.jsonl'}\n"
+    assert [json.loads(line) for line in (tmp_path / "captions.jsonl").read_text().splitlines()] == expected
+
+
+def test_own_pairs_are_captioned_under_the_amp_asked_for(ckpt, tmp_path, capsys, monkeypatch):
+    before, after = write_pair(tmp_path)
+    (tmp_path / "pairs.txt").write_text(f"{before} {after}\n")
+    generate, under = Captioner.generate, []
+
+    def recorded(self, *images):
+        under.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return generate(self, *images)
+    monkeypatch.setattr(Captioner, "generate", recorded)
+    cpu_bf16 = ["--ckpt", ckpt, "--device", "cpu", "--amp", "bf16"]
+    evaluate.main([str(a) for a in cpu_bf16 + ["--pair", before, after]])
+    evaluate.main([str(a) for a in cpu_bf16 + ["--pairs", tmp_path / "pairs.txt"]])
+    evaluate.main([str(a) for a in cpu_bf16[:-2] + ["--pair", before, after]])
+    assert under == [torch.bfloat16, torch.bfloat16, None]
 
 
 def test_predictions_are_scored_with_the_annotation_files_alone(root, preds, tmp_path, capsys):
@@ -235,6 +268,7 @@ def test_a_flag_the_chosen_command_does_not_use_is_refused(root, ckpt, preds, tm
     for flag, value in (("--device", "cpu"), ("--amp", "off")):
         assert error_of(capsys, "--predictions", preds, *clevr, flag, value) == (
             f"{flag} has no use with --predictions, which takes --data, --data_root, --split, --out")
+    assert error_of(capsys, "--predictions", preds) == "--predictions needs --data_root, the dataset it scores against"
     assert error_of(capsys, "--ckpt", ckpt, "--pair", before, after, "--split", "val") == (
         f"--split has no use with --pair, which takes --attention, {with_ckpt}")
     assert error_of(capsys, "--ckpt", ckpt, "--pair", before, after, *clevr) == (
@@ -261,6 +295,16 @@ def test_layer_split_and_heads_that_our_checkpoint_contradicts_are_refused(root,
     assert capsys.readouterr().out.strip()  # the values the file holds are welcome
 
 
+def test_an_authors_file_without_flags_is_read_as_their_released_models(tmp_path, monkeypatch):
+    torch.save({"clip.visual.proj": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    told = []
+    monkeypatch.setattr(clip_weights, "load_checkpoint",
+                        lambda path, device, n_intra, heads: told.append((n_intra, heads)) or tiny_captioner())
+    args = argparse.Namespace(ckpt=tmp_path / "pytorch_model.bin", n_intra=None, heads=None, amp=None)
+    evaluate.load_model(args, torch.device("cpu"))
+    assert told == [(9, 8)] and args.amp == "auto"
+
+
 def test_a_checkpoint_of_a_diverged_training_is_refused(tmp_path, capsys):
     captioner = tiny_captioner()
     next(captioner.parameters()).data[0] = float("nan")
@@ -280,6 +324,20 @@ def test_a_pair_encoder_is_refused_only_the_file_it_writes(root, tmp_path, capsy
     capsys.readouterr()
     assert error_of(capsys, "--ckpt", tmp_path / "stage1.pt", "--data", "clevr", "--data_root", root, "--out_dir",
                     run) == f"{run / 'metrics.json'} exists: pass --overwrite to replace it, or another --out_dir"
+
+
+def test_a_finished_runs_retrieval_is_printed_and_replaces_its_metrics_with_overwrite(root, tmp_path, capsys):
+    save_checkpoint(tiny_captioner().encoder, tmp_path / "stage1.pt")
+    run = tmp_path / "run"  # a finished run keeps its last.pt beside its metrics.json
+    run.mkdir()
+    (run / "last.pt").write_bytes(b"a run's")
+    (run / "metrics.json").write_text("{}")
+    evaluate.main([str(a) for a in ["--ckpt", tmp_path / "stage1.pt", "--data", "clevr", "--data_root", root,
+                                    "--out_dir", run, "--overwrite"]])
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert capsys.readouterr().out.splitlines() == ["clevr test: 15 image pairs",
+                                                    *evaluate.format_retrieval(metrics["test"]).splitlines(),
+                                                    f"wrote {run}/metrics.json"]
 
 
 def test_scoring_captions_without_java_is_refused_before_any_work(root, ckpt, preds, tmp_path, capsys, monkeypatch):

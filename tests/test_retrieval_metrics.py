@@ -66,6 +66,8 @@ def test_bad_inputs_are_rejected():
         retrieval_metrics(SIM, [0, 0, 1, 2, 2, 2])
     with pytest.raises(ValueError, match="one pair index"):
         retrieval_metrics(SIM, [0, 0, 1, 2, 2, 4])
+    with pytest.raises(ValueError, match="one pair index"):
+        retrieval_metrics(SIM, [0, 0, 1, 2, 3, -1])
 
 
 def test_pair_to_text_ranks_pairs_not_captions():
