@@ -29,14 +29,16 @@ STAGE_2 = [*CPU, "--epochs", "1", "--max_steps", "4", "--batch_size", "4", "--la
            "--dropout", "0"]  # dropout draws other masks in 2 processes than in 1
 
 
-def command(script, processes, *flags):
+def command(script, processes, *flags, writes=None):
+    """The command line of a run; `writes`: a file that lists each file the run writes, by rank."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
                 "--standalone"] if processes > 1 else [sys.executable]
-    return launcher + [str(ROOT / script), "--data", "synth", *flags]
+    recorder = [str(ROOT / "tests" / "record_writes.py"), str(writes)] if writes else []
+    return launcher + recorder + [str(ROOT / script), "--data", "synth", *flags]
 
 
-def train(script, processes, *flags):
-    result = subprocess.run(command(script, processes, *flags), cwd=ROOT, capture_output=True, text=True,
+def train(script, processes, *flags, writes=None):
+    result = subprocess.run(command(script, processes, *flags, writes=writes), cwd=ROOT, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
@@ -61,14 +63,15 @@ def runs(tmp_path_factory):
     for processes in (1, 2):
         out[1, processes] = tmp / f"adapt{processes}"
         out["log", 1, processes] = log = train("adapt.py", processes, "--data_root", str(tmp / "synth"),
-                                               "--out_dir", str(out[1, processes]), *STAGE_1)
+                                               "--out_dir", str(out[1, processes]), *STAGE_1,
+                                               writes=tmp / f"writes_1_{processes}.txt")
         assert (f"\n{processes} processes" in log) == (processes > 1)
         assert log.count("holds 60 pairs, not the 5600 asked for") == 1, log  # rank 0 alone checks the data
     for processes in (1, 2):
         out[2, processes] = tmp / f"caption{processes}"
         out["log", 2, processes] = train("caption.py", processes, "--data_root", str(tmp / "synth"),
                                          "--out_dir", str(out[2, processes]), "--init_from", str(out[1, 1] / "best.pt"),
-                                         *STAGE_2)
+                                         *STAGE_2, writes=tmp / f"writes_2_{processes}.txt")
     out["tmp"] = tmp
     return out
 
@@ -96,6 +99,9 @@ def test_rank_0_alone_writes_the_run(runs):
         written_by_stage_2 = ["examples.png", "test_predictions.json"] if stage == 2 else []
         expected = sorted(["best.pt", "last.pt", "metrics.json", *written_by_stage_2])
         assert files == expected
+        for processes in (1, 2):  # two processes writing one file at once could leave it broken
+            writes = [line.split() for line in (runs["tmp"] / f"writes_{stage}_{processes}.txt").read_text().splitlines()]
+            assert {rank for rank, _ in writes} == {"0"} and set(expected) <= {name for _, name in writes}, writes
 
 
 def test_a_killed_two_process_run_resumes(runs):
