@@ -296,6 +296,9 @@ def read_pixels(path, size):
     return torch.from_numpy(read_array(path, size))
 
 
+UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)  # truncated, unknown, too large
+
+
 def read_array(path, size):
     """read_pixels as a numpy array. Pillow and numpy only: the image store's worker processes are
     forked, and torch's thread pool does not survive a fork."""
@@ -304,7 +307,7 @@ def read_array(path, size):
             image = to_rgb(image).resize((size, size), Image.BICUBIC)
     except FileNotFoundError:
         raise
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated, unknown, too large
+    except UNREADABLE as e:
         raise InputError(f"{path}: cannot read image ({e})") from None
     return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
 

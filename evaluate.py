@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.meteor.meteor import Meteor
@@ -429,6 +430,11 @@ def read_pair_list(path):
         raise InputError(f"{path}: no pairs; expected two image paths (before, after) a line")
     if absent := [q for pair in pairs for q in pair if not q.is_file()]:
         raise InputError(f"{path}: {len(absent)} images not found, e.g. {absent[0]}")
+    for image in dict.fromkeys(q for pair in pairs for q in pair):  # headers only: a file that is no image
+        try:  # stops here, not after minutes of captioning
+            Image.open(image).close()
+        except data.UNREADABLE as e:
+            raise InputError(f"{path}: {image}: cannot read image ({e})") from None
     return pairs
 
 

@@ -167,17 +167,29 @@ def test_unreadable_image_is_named(tmp_path, capsys):
     assert f"{tmp_path / 'notes.png'}: cannot read image" in error
 
 
-def test_an_image_found_unreadable_while_captioning_comes_after_the_progress_line(tmp_path, capsys):
+def test_a_file_of_pairs_naming_a_file_that_is_no_image_is_refused_before_captioning(tmp_path, capsys):
     save_checkpoint(tiny_captioner(), tmp_path / "best.pt")
     before, after = write_pair(tmp_path)
     (tmp_path / "notes.png").write_text("not an image")
     lines = [f"{before.name} {after.name}"] * evaluate.EVAL_BATCH + [f"{before.name} notes.png"]
     (tmp_path / "pairs.txt").write_text("\n".join(lines))
+    error = cli_error(capsys, "--ckpt", tmp_path / "best.pt", "--pairs", tmp_path / "pairs.txt")
+    assert "captioned" not in error
+    assert error.split(": error: ")[1].startswith(f"{tmp_path / 'pairs.txt'}: {tmp_path / 'notes.png'}: cannot read image")
+
+
+def test_an_image_found_unreadable_while_captioning_comes_after_the_progress_line(tmp_path, capsys):
+    save_checkpoint(tiny_captioner(), tmp_path / "best.pt")
+    before, after = write_pair(tmp_path)
+    whole = before.read_bytes()
+    (tmp_path / "cut.png").write_bytes(whole[:len(whole) // 2])  # its header read, its pixels cut short
+    lines = [f"{before.name} {after.name}"] * evaluate.EVAL_BATCH + [f"{before.name} cut.png"]
+    (tmp_path / "pairs.txt").write_text("\n".join(lines))
     with pytest.raises(SystemExit):
         train.main(evaluate.main, ["--ckpt", str(tmp_path / "best.pt"), "--pairs", str(tmp_path / "pairs.txt")])
     progress, error, end = capsys.readouterr().err.split("\n")
     assert progress.startswith("\rcaptioned 64/65 pairs, eta ") and end == ""
-    assert error.split(": error: ")[1].startswith(f"{tmp_path / 'notes.png'}: cannot read image")
+    assert error.split(": error: ")[1].startswith(f"{tmp_path / 'cut.png'}: cannot read image")
 
 
 def test_pair_needs_a_checkpoint(capsys):
