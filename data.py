@@ -8,15 +8,18 @@ and read here like the real one.
 import argparse
 import contextlib
 import errno
+import gc
 import json
 import logging
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import random
 import shutil
 import signal
 import socket
 import sys
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +85,7 @@ def end_interrupted(name):
     """Ctrl-C: one line, then end by the signal, as shells expect (a script's loop stops too); else status 130."""
     print(f"{name}: interrupted", file=sys.stderr)
     if os.name == "posix":
+        gc.collect()  # a pool's queues, in reference cycles: their semaphores go, else a spawned tracker warns
         sys.stdout.flush(), sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -402,9 +406,41 @@ def is_device(path):
     return standard_stream(path) is not None or path.exists() and not (path.is_file() or path.is_dir())
 
 
+@contextlib.contextmanager
+def ctrl_c_kept_here():
+    """Processes started inside never see Ctrl-C (SIGINT stays blocked in them, through spawn's exec too): this
+    process alone gets it and ends them as it unwinds. Else one that dies of it (under spawn, while it imports)
+    prints a traceback, and the run fails with "worker exited unexpectedly" or carries on. A Ctrl-C meanwhile
+    is held till they have started (under spawn, imported: seconds): halfway, one would read half its data."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield  # Windows; or a thread, which may not set handlers (and gets no Ctrl-C)
+        return
+    if multiprocessing.get_start_method() != "fork":  # starting spawn's resource tracker unblocks SIGINT: first
+        multiprocessing.resource_tracker.ensure_running()
+    pressed = []
+    handler = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))  # another thread may take the signal
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, handler)  # first runs the handler for a Ctrl-C held till now
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def worker_pool(processes):
-    """Processes that leave Ctrl-C to the parent, which ends them: else each prints a traceback, and the pool may hang."""
-    return multiprocessing.Pool(processes, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    """Processes that leave Ctrl-C to this one, which ends them: else each prints a traceback, and the pool may hang."""
+    with ctrl_c_kept_here():
+        return multiprocessing.Pool(processes)  # a Ctrl-C held meanwhile drops it: gc ends it (end_interrupted)
+
+
+class Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose processes leave Ctrl-C to this one (they start as it is iterated)."""
+
+    def __iter__(self):
+        with ctrl_c_kept_here() if self.num_workers else contextlib.nullcontext():
+            return super().__iter__()
 
 
 def sample_rng(seed, epoch, index):
@@ -515,8 +551,11 @@ def loader_workers(workers, device):
 
 def make_loader(dataset, batch_size, device, workers=-1, sampler=None, seed=0):
     """Workers never touch the global RNG (own generator), so loading cannot change the training's
-    random stream and a resumed run stays bit-exact. workers: see `loader_workers`."""
-    workers = loader_workers(workers, device)
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=sampler is not None, num_workers=workers,
-        pin_memory=device.type == "cuda", persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
+    random stream and a resumed run stays bit-exact. workers: see `loader_workers`. A training loader (one with
+    a sampler) keeps its processes from epoch to epoch; an evaluation's end as its one pass does, not later in a
+    __del__, where a Ctrl-C would be ignored."""
+    workers, training = loader_workers(workers, device), sampler is not None
+    return Loader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=training, num_workers=workers,
+        pin_memory=device.type == "cuda", persistent_workers=workers > 0 and training,
+        generator=torch.Generator().manual_seed(seed))

@@ -62,7 +62,7 @@ training_begun = False  # till then, the processes of a machine read the same fl
 def main(run, argv=None):
     """Run a command line's `run(argv)`: the failures data.error_line names end in one line on stderr and exit
     status 2, as argparse does, Ctrl-C in one line and the signal; any other failure keeps its traceback."""
-    status, name = 0, Path(sys.argv[0]).name
+    status, name, interrupted = 0, Path(sys.argv[0]).name, False
     try:
         run(argv)
     except data.ONE_LINE_ERRORS as e:
@@ -74,6 +74,8 @@ def main(run, argv=None):
             print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
     except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
+        interrupted = True
+    if interrupted:  # out of the except clause, the run's frames are gone: its loaders have ended their processes
         status = data.end_interrupted(name)
     if distributed():
         if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown

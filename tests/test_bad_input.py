@@ -634,22 +634,22 @@ def test_resume_without_a_run_says_so(root, tmp_path, capsys):
 
 
 def interrupt(argv, ready, cwd=Path(__file__).parent.parent):
-    """Run `python argv` and press Ctrl-C once `ready()`: (exit status, stderr)."""
+    """Run `python argv` and press Ctrl-C once `ready(its pid)`: (exit status, stderr)."""
     run = subprocess.Popen([sys.executable, *map(str, argv)], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True, process_group=0,  # its loader or pool workers get the signal too, as in a terminal
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background job ignores it
     for _ in range(600):
-        if ready() or run.poll() is not None:
+        if ready(run.pid) or run.poll() is not None:
             break
         time.sleep(0.1)
     os.killpg(run.pid, signal.SIGINT)
-    return run.wait(timeout=60), run.communicate()[1]
+    return run.wait(timeout=60), run.communicate(timeout=60)[1]  # a process left behind holds stderr open
 
 
 def test_ctrl_c_is_one_line_ends_by_the_signal_and_a_resume_continues_the_run(root, tmp_path):
     out = tmp_path / "run"
     flags = [*SMALL, "--max_steps", 0, "--epochs", 3, "--data_root", root, "--save_every", 1, "--out_dir", out]
-    status, err = interrupt(["adapt.py", *flags], ready=lambda: (out / "last.pt").exists())
+    status, err = interrupt(["adapt.py", *flags], ready=lambda _: (out / "last.pt").exists())
     assert status == -signal.SIGINT and err.endswith("adapt.py: interrupted\n") and "Traceback" not in err, err
     step = torch.load(out / "last.pt", weights_only=True)["state"]["step"]
     train.main(adapt.main, [str(f) for f in flags + ["--resume"]])
@@ -659,15 +659,71 @@ def test_ctrl_c_is_one_line_ends_by_the_signal_and_a_resume_continues_the_run(ro
 
 def test_ctrl_c_while_drawing_the_synthetic_data_leaves_nothing(tmp_path):
     status, err = interrupt(["adapt.py", "--data_root", tmp_path / "synth", "--out_dir", tmp_path / "run"],
-                            ready=lambda: any(tmp_path.glob("synth.*/images/*.png")))
+                            ready=lambda _: any(tmp_path.glob("synth.*/images/*.png")))
     assert status == -signal.SIGINT and err.splitlines()[1:] == ["adapt.py: interrupted"], err  # after "generating"
     assert list(tmp_path.iterdir()) == []
 
 
 def test_ctrl_c_in_synth_py_is_one_line_and_leaves_nothing(tmp_path):
-    status, err = interrupt(["synth.py", "--out", tmp_path / "synth"], ready=lambda: any(tmp_path.glob("synth.*/images/*.png")))
+    status, err = interrupt(["synth.py", "--out", tmp_path / "synth"], ready=lambda _: any(tmp_path.glob("synth.*/images/*.png")))
     assert status == -signal.SIGINT and err == "synth.py: interrupted\n", err
     assert list(tmp_path.iterdir()) == []
+
+
+def sigint_blocked(pid):
+    """Whether Ctrl-C's signal is blocked in the process `pid` (Linux)."""
+    mask = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigBlk"))
+    return bool(int(mask.split()[1], 16) >> signal.SIGINT - 1 & 1)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_pool_and_loader_processes_never_see_ctrl_c_however_they_are_started(method):
+    script = f"""
+import multiprocessing, signal, torch, data
+from test_bad_input import sigint_blocked
+multiprocessing.set_start_method("{method}")
+with data.worker_pool(2):
+    print([sigint_blocked(p.pid) for p in multiprocessing.active_children()])
+batches = iter(data.make_loader(torch.utils.data.TensorDataset(torch.arange(8)), 4, torch.device("cpu"), workers=2))
+print([sigint_blocked(p.pid) for p in multiprocessing.active_children()], sigint_blocked("self"),
+      signal.getsignal(signal.SIGINT) is signal.default_int_handler, sum(len(b) for b, in batches))
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["tests", os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.stdout == "[True, True]\n[True, True] False True 8\n", run.stderr  # this process's Ctrl-C as before
+
+
+def spawned_children(pid):
+    """The processes that `pid` has started by spawn, while they run."""
+    children = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # one that ended meanwhile
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                children.add(int(stat.parent.name))
+    return children
+
+
+def running(pid):
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+@pytest.mark.parametrize("cache", ["--cache", "--no-cache"])  # the first to start: the image store's pool, a loader's
+def test_ctrl_c_while_spawned_processes_import_is_one_line_and_ends_them(tmp_path, cache):
+    root, seen = tmp_path / "synth", set()
+    synth.write_synth(root, 30, seed=2)
+    flags = ["--data", "synth", "--max_steps", 2, "--workers", 2, cache, "--data_root", root, "--out_dir", tmp_path / "run"]
+    try:
+        status, err = interrupt(["tests/spawned.py", "adapt.py", *flags],
+                                ready=lambda pid: seen.update(spawned_children(pid)) or seen)
+        assert seen and status == -signal.SIGINT and err.endswith("adapt.py: interrupted\n"), err
+        assert "Traceback" not in err and "Warning" not in err, err  # a process's as it imports; leaked semaphores
+        assert not any(map(running, seen))
+    finally:
+        for pid in filter(running, seen):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_resumed_run_keeps_every_figure(root, tmp_path):

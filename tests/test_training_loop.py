@@ -1,4 +1,5 @@
 import errno
+import multiprocessing
 import math
 import random
 from contextlib import nullcontext
@@ -348,3 +349,12 @@ def test_loader_workers_follow_the_cores_and_the_device(monkeypatch, cores, worl
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
     assert data.loader_workers(-1, torch.device(device)) == expected
     assert data.loader_workers(3, torch.device(device)) == 3  # --workers as given
+
+
+def test_an_evaluation_loader_ends_its_processes_with_its_pass_and_a_training_loader_keeps_them():
+    before, cpu = set(multiprocessing.active_children()), torch.device("cpu")
+    evaluation = data.make_loader(torch.utils.data.TensorDataset(torch.arange(8)), 4, cpu, workers=2)
+    assert [len(b) for b, in evaluation] == [4, 4]
+    assert set(multiprocessing.active_children()) <= before  # ended as the pass did: a Ctrl-C then is not lost
+    training = data.make_loader(list(range(8)), 4, cpu, workers=2, sampler=data.EpochSampler(8, 0, 4))
+    assert training.persistent_workers and not evaluation.persistent_workers
