@@ -1,6 +1,6 @@
 import errno
-import multiprocessing
 import math
+import multiprocessing
 import random
 from contextlib import nullcontext
 
