@@ -274,7 +274,7 @@ if __name__ == "__main__":
     parser.add_argument("--pairs", type=int, default=PAIRS)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    start = time.perf_counter()
+    start, interrupted = time.perf_counter(), False
     try:
         check_writable(args.out, "--out")
         write_synth(args.out, args.pairs, args.seed)
@@ -285,5 +285,7 @@ if __name__ == "__main__":
             raise
         parser.error(str(e))
     except KeyboardInterrupt:  # write_synth leaves nothing behind
+        interrupted = True
+    if interrupted:  # out of the except clause, as in train.main: the pool's frames, and its semaphores, are gone
         sys.exit(end_interrupted("synth.py"))
     print(f"wrote {args.pairs} pairs to {args.out} in {time.perf_counter() - start:.0f} s")

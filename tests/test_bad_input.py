@@ -664,8 +664,10 @@ def test_ctrl_c_while_drawing_the_synthetic_data_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ctrl_c_in_synth_py_is_one_line_and_leaves_nothing(tmp_path):
-    status, err = interrupt(["synth.py", "--out", tmp_path / "synth"], ready=lambda _: any(tmp_path.glob("synth.*/images/*.png")))
+@pytest.mark.parametrize("spawned", [[], ["tests/spawned.py"]])  # forked, or spawned as on macOS
+def test_ctrl_c_in_synth_py_is_one_line_and_leaves_nothing(tmp_path, spawned):
+    status, err = interrupt([*spawned, "synth.py", "--out", tmp_path / "synth"],
+                            ready=lambda _: any(tmp_path.glob("synth.*/images/*.png")))
     assert status == -signal.SIGINT and err == "synth.py: interrupted\n", err
     assert list(tmp_path.iterdir()) == []
 
@@ -694,19 +696,24 @@ print([sigint_blocked(p.pid) for p in multiprocessing.active_children()], sigint
     assert run.stdout == "[True, True]\n[True, True] False True 8\n", run.stderr  # this process's Ctrl-C as before
 
 
+def proc_stat(pid):
+    """The fields of /proc/PID/stat after the command's name: state, parent's pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def spawned_children(pid):
     """The processes that `pid` has started by spawn, while they run."""
     children = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):  # one that ended meanwhile
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
-                children.add(int(stat.parent.name))
+            if int(proc_stat(proc.name)[1]) == pid and b"spawn_main" in (proc / "cmdline").read_bytes():
+                children.add(int(proc.name))
     return children
 
 
 def running(pid):
     with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return proc_stat(pid)[0] != "Z"
     return False
 
 
