@@ -9,7 +9,6 @@ several GPUs through torchrun (see train.py). The training loop is train.fit, sh
 """
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -133,7 +132,6 @@ def main(argv=None):
                       log_extra=lambda: {"temp": f"{(-model.clip.logit_scale).exp().item():.4f}"})
     if train.rank() != 0:
         return
-    model.load_state_dict(torch.load(Path(cfg.out_dir) / "best.pt", map_location=device, weights_only=True)["model"])
     results = {"val": retrieval("val"), "test": retrieval("test"), "test_step0": state["before"]}
     print(evaluate.format_retrieval(results["test"]))
     print(f"text -> pair R@1 on test: {results['test']['text_to_pair']['R@1']:.1f} after adaptation, "

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 import clip_weights
 import data
 import evaluate
@@ -82,6 +80,7 @@ def build_captioner(cfg, device):
         last = Path(cfg.out_dir) / "last.pt"
         encoder = clip_weights.model_from_config({"encoder": clip_weights.read_checkpoint(last, mmap=True)["model_config"]
                                                   .get("encoder")}, last)
+        record_split(cfg, encoder, last)
     elif cfg.init_from == "openai":
         if cfg.lr_clip == 0:
             raise InputError("--lr_clip 0 with --init_from openai would leave e1, e2 and p as drawn: freeze a pair "
@@ -94,15 +93,15 @@ def build_captioner(cfg, device):
         if not Path(path).exists():
             raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run `python adapt.py --data {cfg.data}` "
                                     "first, or pass --init_from PATH (or --init_from openai to skip adaptation)")
+        read = Path(path).resolve()  # a link: the file it names
+        if cfg.overwrite and read.parent == Path(cfg.out_dir).resolve() and read.name in train.RUN_FILES:
+            raise InputError(f"--init_from {path}: a file of the run in --out_dir, which --overwrite replaces; copy it "
+                             "elsewhere first, or pick another --out_dir")
         encoder = clip_weights.load_checkpoint(path, n_intra=cfg.n_intra)
         if not isinstance(encoder, CLIP4IDC):
             raise InputError(f"{path} holds a captioner: --init_from takes a stage-1 checkpoint (adapt.py's best.pt, "
                              "or the authors' pretrained pytorch_model.bin)")
-        for flag in ("n_intra", "n_inter"):  # ours record both; the authors' files take them from the flags
-            given, held = getattr(cfg, flag), getattr(encoder.config, flag)
-            if given not in (getattr(CaptionConfig, flag), held):
-                raise InputError(f"--{flag} {given}: the pair encoder in {path} has {flag} {held}; expected that or no "
-                                 "flag (an authors' file is split by --n_intra)")
+        record_split(cfg, encoder, path)
     try:
         captioner = Captioner(encoder, captioner_config(cfg)).to(device)
     except ValueError as e:  # flags the pair encoder cannot take, such as a --max_len beyond its text positions
@@ -111,6 +110,17 @@ def build_captioner(cfg, device):
     if cfg.recipe == "authors":  # on Spot-the-Diff their stage 2 trains the token embedding, at CLIP's rate
         freeze_as_authors(encoder.clip, keep=("token_embedding.weight",) if cfg.data == "spot" else ())
     return captioner
+
+
+def record_split(cfg, encoder, path):
+    """--n_intra and --n_inter as the pair encoder read from `path` has them, so that the run records its
+    model's split: a flag may only repeat it (ours record both; the authors' files take them from the flags)."""
+    for flag in ("n_intra", "n_inter"):
+        given, held = getattr(cfg, flag), getattr(encoder.config, flag)
+        if given not in (getattr(CaptionConfig, flag), held):
+            raise InputError(f"--{flag} {given}: the pair encoder in {path} has {flag} {held}; expected that or no "
+                             "flag (an authors' file is split by --n_intra)")
+        setattr(cfg, flag, held)
 
 
 def new_parameter_names(captioner, cfg):
@@ -154,7 +164,6 @@ def main(argv=None):
     train.fit(cfg, captioner, train_set, validate, new_parameter_names(captioner, cfg), "linear", patience=cfg.patience)
     if train.rank() != 0:
         return
-    captioner.load_state_dict(torch.load(Path(cfg.out_dir) / "best.pt", map_location=device, weights_only=True)["model"])
     # The scoring may fail where the training did not (a test image read for the first time without --cache,
     # Java's METEOR gone, memory short): best.pt is kept, and the error says how to finish the run.
     try:

@@ -194,9 +194,11 @@ def check_run_folder(cfg, held=False):
         if ("init_from" in saved) != hasattr(cfg, "init_from"):  # a stage-2 setting
             other = "caption.py" if "init_from" in saved else "adapt.py"
             raise InputError(f"--resume: {out / 'last.pt'} is a run of {other}: resume it with {other}")
-        if "init_from" in saved:  # stage 2 rebuilds its model from last.pt: where the run started stays on record
-            cfg.init_from, cfg.clip = saved["init_from"], saved["clip"]
-        if changed := {k: v for k, v in differences(saved, asdict(cfg)).items() if k not in RESUME_FREE}:
+        free = RESUME_FREE
+        if "init_from" in saved:  # stage 2 rebuilds its model from last.pt: where the run started stays on record,
+            cfg.init_from, cfg.clip = saved["init_from"], saved["clip"]  # and the split flags are checked against its
+            free += ("n_intra", "n_inter")  # pair encoder (caption.record_split)
+        if changed := {k: v for k, v in differences(saved, asdict(cfg)).items() if k not in free}:
             raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
                              f"{changed}; resume with the same ones")
     elif earlier and not cfg.overwrite:
@@ -423,8 +425,9 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     """The training loop of both stages: model(*batch) is the loss of a batch of `train_set`.
 
     validate() -> (score, metrics) at each epoch's end, higher is better, run by rank 0 alone: the
-    best model goes to best.pt. Resumable from last.pt with --resume. `before` (metrics measured
-    before the first step) is kept in the run's state, which fit returns.
+    best model goes to best.pt, and rank 0's `model` holds it when fit returns. Resumable from last.pt
+    with --resume. `before` (metrics measured before the first step) is kept in the run's state, which
+    fit returns.
     """
     global training_begun
     out, device = Path(cfg.out_dir), next(model.parameters()).device
@@ -521,4 +524,6 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                     require_finite()
                     checkpoint()
             end_of_epoch(epoch + 1)
+    if rank() == 0:  # what the run scores
+        model.load_state_dict(clip_weights.read_checkpoint(out / "best.pt")["model"])
     return state

@@ -419,6 +419,20 @@ def test_a_flag_the_run_would_not_read_is_refused(root, stage_1, tmp_path, capsy
     assert (tmp_path / "run" / "metrics.json").is_file()
 
 
+def test_overwrite_is_refused_where_it_would_replace_the_stage_1_file_the_run_starts_from(root, stage_1, tmp_path,
+                                                                                          capsys):
+    out = tmp_path / "run"
+    shutil.copytree(stage_1, out)
+    (tmp_path / "link.pt").symlink_to(out / "best.pt")
+    before = snapshot(out)
+    for init in (out / "best.pt", tmp_path / "link.pt"):
+        assert error_of(capsys, caption.main, *SMALL, "--data_root", root, "--out_dir", out, "--overwrite",
+                        "--init_from", init).endswith(
+            f"--init_from {init}: a file of the run in --out_dir, which --overwrite replaces; copy it elsewhere "
+            "first, or pick another --out_dir")
+    assert snapshot(out) == before
+
+
 def test_memory_that_runs_out_is_one_line_and_other_runtime_errors_keep_their_traceback(capsys):
     def cuda_oom(argv):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
@@ -527,8 +541,10 @@ def edited_model(last, edit):
      "does not match CLIP4IDC: missing keys: ['ln_inter.bias']"),
     (lambda last, best: torch.save(edited_model(last, lambda m: m["pair_pos"].fill_(math.nan)), last),
      "its weights are not all finite"),
+    (lambda last, best: best.write_bytes(best.read_bytes()[:100_000]), "best.pt: cannot read it as a checkpoint"),
+    (lambda last, best: best.unlink(), "best.pt: no such checkpoint file"),  # the model the run would score
 ])
-def test_resume_from_a_damaged_last_pt_is_refused(root, stage_1, tmp_path, capsys, damage, message):
+def test_resume_from_a_damaged_last_pt_or_best_pt_is_refused(root, stage_1, tmp_path, capsys, damage, message):
     out = tmp_path / "run"
     out.mkdir()
     for name in ("last.pt", "best.pt"):
@@ -550,7 +566,8 @@ def test_a_resumed_stage_2_run_may_change_its_patience_alone(tmp_path):
         train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True, lr=1e-3))
 
 
-def test_a_stage_2_run_resumes_without_its_stage_1_file(root, stage_1, tmp_path, monkeypatch):
+def test_a_stage_2_run_resumes_without_its_stage_1_file_and_split_flags_that_repeat_its_encoders(
+        root, stage_1, tmp_path, capsys, monkeypatch):
     init, out = tmp_path / "stage1" / "best.pt", tmp_path / "c"
     init.parent.mkdir()
     shutil.copy(stage_1 / "best.pt", init)
@@ -568,7 +585,14 @@ def test_a_stage_2_run_resumes_without_its_stage_1_file(root, stage_1, tmp_path,
         caption.main(flags + ["--init_from", str(init)])
     monkeypatch.undo()
     init.unlink()  # the stage-1 file is gone: last.pt holds the whole model
-    train.main(caption.main, flags + ["--resume", "--init_from", f"{init.parent}/./best.pt"])
+    assert torch.load(out / "last.pt", weights_only=True)["config"]["n_intra"] == 2  # no flag: the encoder's, on record
+    before = snapshot(out)
+    assert error_of(capsys, caption.main, *flags, "--resume", "--n_intra", 3).endswith(
+        f"--n_intra 3: the pair encoder in {out / 'last.pt'} has n_intra 2; expected that or no flag (an authors' "
+        "file is split by --n_intra)")
+    assert snapshot(out) == before
+    train.main(caption.main, flags + ["--resume", "--init_from", f"{init.parent}/./best.pt", "--n_intra", "2",
+                                      "--n_inter", "2"])  # the split it started with, now named
     last = torch.load(out / "last.pt", weights_only=True)
     assert last["state"]["step"] == 4 and last["config"]["init_from"] == str(init)  # where it started, on record
     assert json.loads((out / "metrics.json").read_text())["test"]
