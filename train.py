@@ -424,10 +424,9 @@ def update(model, loss, optimizer, scaler, grad_clip):
 def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_step=None, log_extra=None, before=None):
     """The training loop of both stages: model(*batch) is the loss of a batch of `train_set`.
 
-    validate() -> (score, metrics) at each epoch's end, higher is better, run by rank 0 alone: the
-    best model goes to best.pt, and rank 0's `model` holds it when fit returns. Resumable from last.pt
-    with --resume. `before` (metrics measured before the first step) is kept in the run's state, which
-    fit returns.
+    validate() -> (score, metrics) at each epoch's end, higher is better, run by rank 0 alone: the best
+    model goes to best.pt, and is rank 0's `model` at the end. Resumable from last.pt with --resume.
+    `before` (metrics measured before the first step) is kept in the run's state, which fit returns.
     """
     global training_begun
     out, device = Path(cfg.out_dir), next(model.parameters()).device
