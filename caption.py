@@ -145,13 +145,15 @@ def main(argv=None):
     cfg, device = train.start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv, __doc__, AUTHORS_DEFAULTS)
     captioner = build_captioner(cfg, device)  # before the data: flags it cannot take leave nothing on disk
     evaluate.require_java()  # validation scores with it: refuse now, not after the first epoch
-    image_size = captioner.encoder.config.clip.image_size
+    encoder = captioner.encoder.config  # its split is printed below: the config line shows the flags as given
+    image_size = encoder.clip.image_size
     splits, store = train.prepare_data(cfg, image_size)
     train_set = data.CaptionDataset(splits["train"], image_size, cfg.max_len, cfg.seed, store)
     if cfg.vocab == "train":
         captioner.write_only(train_words(train_set.tokens))
     vocab = f"{len(captioner.config.vocab):,} words" if cfg.vocab == "train" else "CLIP's vocabulary"
-    print(f"captioner: {sum(p.numel() for p in captioner.parameters()) / 1e6:.2f}M parameters, writing {vocab}")
+    print(f"captioner: {sum(p.numel() for p in captioner.parameters()) / 1e6:.2f}M parameters over a pair encoder of "
+          f"{encoder.n_intra} intra + {encoder.n_inter} inter layers, writing {vocab}")
     val_items, test_items = data.eval_items(splits["val"]), data.eval_items(splits["test"])
 
     def predict(items):

@@ -583,6 +583,7 @@ def test_a_stage_2_run_resumes_without_its_stage_1_file_and_split_flags_that_rep
     monkeypatch.setattr(train, "update", killed_in_step_3)
     with pytest.raises(KeyboardInterrupt):
         caption.main(flags + ["--init_from", str(init)])
+    assert "over a pair encoder of 2 intra + 2 inter layers" in capsys.readouterr().out  # not the flags' 9 + 3
     monkeypatch.undo()
     init.unlink()  # the stage-1 file is gone: last.pt holds the whole model
     assert torch.load(out / "last.pt", weights_only=True)["config"]["n_intra"] == 2  # no flag: the encoder's, on record
