@@ -133,6 +133,11 @@ def missing(dataset, path, what="not found"):
     return FileNotFoundError(f"{path}: {what}; expected {name}'s layout ({layout}), published at {url}")
 
 
+def not_a_file(path):
+    """Why an image path is no file: nothing is there, or something else is (a folder, a pipe)."""
+    return "not a file" if path.exists() else "not found"
+
+
 def read_json(dataset, *candidates, keys=()):
     """(JSON, path) of the first existing candidate file: with `keys`, a list of objects having them, else an object."""
     path = next((p for p in candidates if p.is_file()), candidates[0])
@@ -257,9 +262,9 @@ def read_split(dataset, root, split, images=True):
     if not pairs:  # an empty split would hang METEOR's java process or fail deep in the model
         raise InputError(f"{root} {split}: no pairs; each split needs at least one")
     if images and (lacking := [(p.id, q) for p in pairs for q in (p.before, p.after, p.distractor) if q and not q.is_file()]):
-        ids = list(dict.fromkeys(i for i, _ in lacking))
-        raise missing(dataset, lacking[0][1], f"not found, and {len(ids)} of {len(pairs)} {split} pairs lack "
-                                              f"image files (ids {', '.join(ids[:5])}{', ...' * (len(ids) > 5)})")
+        ids, first = list(dict.fromkeys(i for i, _ in lacking)), lacking[0][1]
+        raise missing(dataset, first, f"{not_a_file(first)}, and {len(ids)} of {len(pairs)} {split} pairs lack image "
+                                      f"files (ids {', '.join(ids[:5])}{', ...' * (len(ids) > 5)})")
     return pairs
 
 

@@ -429,7 +429,7 @@ def read_pair_list(path):
     if not pairs:
         raise InputError(f"{path}: no pairs; expected two image paths (before, after) a line")
     if absent := [q for pair in pairs for q in pair if not q.is_file()]:
-        raise InputError(f"{path}: {len(absent)} images not found, e.g. {absent[0]}")
+        raise InputError(f"{path}: {len(absent)} images missing, e.g. {absent[0]}: {data.not_a_file(absent[0])}")
     for image in dict.fromkeys(q for pair in pairs for q in pair):  # headers only: a file that is no image
         try:  # stops here, not after minutes of captioning
             Image.open(image).close()

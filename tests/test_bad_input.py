@@ -1100,7 +1100,10 @@ def test_a_list_of_pairs_names_its_bad_line(tmp_path):
     with pytest.raises(InputError, match=r"pairs.txt: line 2: expected two image paths \(before, after\), found 1"):
         evaluate.read_pair_list(tmp_path / "pairs.txt")
     (tmp_path / "pairs.txt").write_text("a.png\tb c.png\n")  # a tab: paths may hold spaces
-    with pytest.raises(InputError, match=r"pairs.txt: 2 images not found, e.g. .*a.png"):
+    with pytest.raises(InputError, match=r"pairs.txt: 2 images missing, e.g. .*a.png: not found$"):
+        evaluate.read_pair_list(tmp_path / "pairs.txt")
+    (tmp_path / "a.png").mkdir()  # a folder where an image belongs is named so, not as absent
+    with pytest.raises(InputError, match=r"pairs.txt: 2 images missing, e.g. .*a.png: not a file$"):
         evaluate.read_pair_list(tmp_path / "pairs.txt")
 
 

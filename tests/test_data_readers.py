@@ -1,6 +1,7 @@
 """The CLEVR-Change, Spot-the-Diff and Image-Editing-Request readers on tiny folders in each published layout."""
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -97,6 +98,19 @@ def test_missing_images_report_first_ids_and_count(tmp_path):
     message = str(e.value)
     assert "CLEVR_semantic_000002.png: not found" in message and "7 of 8 train pairs lack image files" in message
     assert "ids 000002.png, 000003.png, 000004.png, 000005.png, 000006.png, ...)" in message
+
+
+def test_a_folder_or_pipe_where_an_image_belongs_is_no_file(tmp_path):
+    write_clevr(tmp_path)
+    image = tmp_path / "sc_images" / "CLEVR_semantic_000002.png"
+    image.unlink()
+    image.mkdir()
+    with pytest.raises(FileNotFoundError, match="CLEVR_semantic_000002.png: not a file, and 1 of 3 train pairs lack"):
+        data.read_split("clevr", tmp_path, "train")
+    image.rmdir()
+    os.mkfifo(image)
+    with pytest.raises(FileNotFoundError, match="CLEVR_semantic_000002.png: not a file, and 1 of 3 train pairs lack"):
+        data.read_split("clevr", tmp_path, "train")
 
 
 def test_missing_image_folder_is_reported(tmp_path):
