@@ -15,7 +15,7 @@ def test_adapt_then_caption_then_evaluate(tmp_path, capsys):
     root = tmp_path / "synth"
     synth.write_synth(root, 60, seed=1)  # 48 train, 6 val, 6 test pairs
     small = ["--data", "synth", "--data_root", str(root), "--epochs", "1", "--batch_size", "16", "--workers", "0",
-             "--device", "cpu"]  # the checkpoints are scored on the CPU below: what the runs scored
+             "--device", "cpu"]  # on a GPU host too: the runs must score as the CPU scores their checkpoints below
     adapt.main(small + ["--out_dir", str(tmp_path / "adapt")])
     retrieval = json.loads((tmp_path / "adapt" / "metrics.json").read_text())
     assert set(retrieval) == {"val", "test", "test_step0"}
