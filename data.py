@@ -86,6 +86,9 @@ def end_interrupted(name):
     print(f"{name}: interrupted", file=sys.stderr)
     if os.name == "posix":
         gc.collect()  # a pool's queues, in reference cycles: their semaphores go, else a spawned tracker warns
+        for thread in threading.enumerate():  # a closed queue's feeder thread holds two of them until it ends
+            if thread.name == "QueueFeederThread":
+                thread.join(timeout=1)
         sys.stdout.flush(), sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)

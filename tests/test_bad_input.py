@@ -682,6 +682,30 @@ def test_ctrl_c_is_one_line_ends_by_the_signal_and_a_resume_continues_the_run(ro
     assert json.loads((out / "metrics.json").read_text())["test"]
 
 
+SLOW_FEEDER = """
+import multiprocessing, time
+import data
+
+class Slow:  # pickled by the queue's feeder thread, which thus ends half a second after the queue is closed
+    def __reduce__(self):
+        time.sleep(0.5)
+        return int, (1,)
+
+if __name__ == "__main__":
+    queue = multiprocessing.get_context("spawn").Queue()  # a loader's queue: semaphores that a tracker follows
+    queue.put(Slow())
+    queue.close()
+    del queue
+    data.end_interrupted("x.py")
+"""
+
+
+def test_ctrl_c_ends_once_a_closed_queue_has_let_its_semaphores_go():
+    run = subprocess.run([sys.executable, "-c", SLOW_FEEDER], cwd=Path(__file__).parent.parent, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == -signal.SIGINT and run.stderr == "x.py: interrupted\n"  # no tracker warning of leaks
+
+
 def test_ctrl_c_while_drawing_the_synthetic_data_leaves_nothing(tmp_path):
     status, err = interrupt(["adapt.py", "--data_root", tmp_path / "synth", "--out_dir", tmp_path / "run"],
                             ready=lambda _: any(tmp_path.glob("synth.*/images/*.png")))
