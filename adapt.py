@@ -17,7 +17,7 @@ import clip_weights
 import data
 import evaluate
 import train
-from data import InputError
+from cli import InputError
 from model import CLIP4IDC, CLIP4IDCConfig, CLIPConfig
 
 # A CLIP small enough to train from scratch on a laptop CPU in minutes (128 px, patch 16).

@@ -32,6 +32,7 @@ from torch.utils import flop_counter
 
 import adapt
 import caption
+import cli
 import clip_weights
 import data
 import image_store
@@ -219,11 +220,11 @@ def train_pairs_and_store(args):
     size = adapt.SMALL_CLIP.image_size if args.preset == "small" else 224
     try:
         return splits[0], size, image_store.ImageStore([p for pairs in splits for p in pairs], size, args.data_root)
-    except data.InputError as e:
+    except cli.InputError as e:
         if not str(e).endswith("pass --no-cache"):  # an unreadable image, say
             raise
         reason = str(e).rsplit(": ", 1)[0]  # less the advice, which is no way out here: this times the store
-        raise data.InputError(f"{reason}: bench.py times the store, so it must be written there") from None
+        raise cli.InputError(f"{reason}: bench.py times the store, so it must be written there") from None
 
 
 def bench_loader(args):
@@ -232,7 +233,7 @@ def bench_loader(args):
     for source, load in (("PNG files", None), ("ImageStore", store)):
         dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, load)
         if 2 * args.batch > len(dataset):  # the first batch starts the workers, untimed
-            raise data.InputError(f"--batch {args.batch}: expected at most half the {len(dataset)} training samples, "
+            raise cli.InputError(f"--batch {args.batch}: expected at most half the {len(dataset)} training samples, "
                                   "for at least one timed batch")
         for workers in args.workers_list:
             loader = data.make_loader(dataset, args.batch, device, workers, data.EpochSampler(len(dataset), 0, args.batch))
@@ -248,7 +249,7 @@ def bench_loader(args):
 
 
 def main(argv=None):
-    parser = data.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # metavar: without a usage block, an error names the choices, not the word "what"
     parser.add_argument("what", choices=("clip", "decode", "train", "loader"), metavar="{clip,decode,train,loader}")
     parser.add_argument("--images", type=int, default=4, help="clip: images per encode_image call")

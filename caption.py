@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import cli
 import clip_weights
 import data
 import evaluate
 import figures
 import train
 from adapt import AdaptConfig, build_model, freeze_as_authors
-from data import InputError
+from cli import InputError
 from model import CLIP4IDC, IGNORE, Captioner, CaptionerConfig, next_tokens
 
 
@@ -171,14 +172,14 @@ def main(argv=None):
     try:
         preds, results = evaluate.score_captions(captioner, test_items, splits["train"], "test", device, store,
                                                  cfg.amp, cfg.workers)
-    except data.ONE_LINE_ERRORS as e:
-        if (message := data.error_line(e)) is None:  # any other failure keeps its traceback
+    except cli.ONE_LINE_ERRORS as e:
+        if (message := cli.error_line(e)) is None:  # any other failure keeps its traceback
             raise
         raise InputError(f"{message}; the trained model is in {cfg.out_dir}/best.pt: once mended, run the same "
                          "command with --resume, which trains no further and scores it") from None
     evaluate.save_results(cfg.out_dir, results, "test", preds)
     examples = Path(cfg.out_dir) / "examples.png"
-    data.write_file(examples, figures.examples_png(test_items, preds))
+    cli.write_file(examples, figures.examples_png(test_items, preds))
     print(f"wrote {examples}: test pairs and their captions, the model's over a reference")
 
 

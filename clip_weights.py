@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from data import InputError, format_eta, new_folders, out_of_memory
+from cli import InputError, format_eta, new_folders, out_of_memory
 from model import CLIP, CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
 MODELS = {  # the SHA-256 of each file is the path component before its name

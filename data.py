@@ -5,94 +5,21 @@ by tokenizer.py; with --cache, images are read from image_store.py's file instea
 The synthetic CLEVR-Change of the offline default is written by synth.py in CLEVR-Change's layout,
 and read here like the real one.
 """
-import argparse
 import contextlib
-import errno
-import gc
 import json
 import logging
-import multiprocessing
-import multiprocessing.resource_tracker
 import os
 import random
-import shutil
-import signal
-import socket
-import sys
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import regex as re
 import torch
 from PIL import Image
 
+from cli import InputError, ctrl_c_kept_here
 from tokenizer import tokenize
-
-DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a full or read-only disk: one line too, not a traceback
-
-
-class InputError(ValueError):
-    """Bad input from the user (a flag, a file, an id): command lines print it as one line (train.main)."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse's, but a bad flag is refused in one line, not after the whole usage (--help shows it)."""
-
-    def error(self, message):
-        # Under torchrun every process reads the same flags: the first of each machine says what is wrong.
-        self.exit(2, f"{self.prog}: error: {message}\n" if first_of_machine() else None)
-
-    def parse_args(self, args=None, namespace=None):
-        """An empty value (`--data_root "$DATA"`, the variable unset) is refused, not read as the default."""
-        parsed = super().parse_args(args, namespace)
-        if empty := [name for name, value in vars(parsed).items() if value == "" or isinstance(value, list) and "" in value]:
-            self.error(f"--{empty[0]}: expected a value, got an empty string")
-        return parsed
-
-
-def first_of_machine():
-    """Whether this is the first process on its machine: under torchrun, LOCAL_RANK 0; without it, the only one."""
-    return os.environ.get("LOCAL_RANK", "0") == "0"
-
-
-ONE_LINE_ERRORS = (InputError, OSError, MemoryError, RuntimeError)  # error_line names some: torch's allocators raise RuntimeErrors
-
-
-def error_line(e):
-    """What ends a command line in one line on stderr: bad input (InputError, a missing or unreadable file), a
-    full or read-only disk, memory that runs out or a failed download; None for a failure that keeps its traceback."""
-    disk, memory = getattr(e, "errno", None) in DISK_ERRNOS, out_of_memory(e)  # disk: full or read-only
-    if not (disk or memory or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
-        return None
-    message = str(e)
-    if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
-        message = message.splitlines()[-1].split(": ", 1)[-1]
-    if memory:  # the allocator's words, after its C++ assertion
-        detail = (message.split("DefaultCPUAllocator: ")[-1].splitlines() or [type(e).__name__])[0]
-        message = f"out of memory: {detail}; a smaller batch or model, or fewer loader workers, needs less"
-    return message
-
-
-def out_of_memory(e):
-    return (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or getattr(e, "errno", None) == errno.ENOMEM
-            or "can't allocate memory" in str(e))  # torch's CPU allocator; ENOMEM: a loader process not started
-
-
-def end_interrupted(name):
-    """Ctrl-C: one line, then end by the signal, as shells expect (a script's loop stops too); else status 130."""
-    print(f"{name}: interrupted", file=sys.stderr)
-    if os.name == "posix":
-        gc.collect()  # a pool's queues, in reference cycles: their semaphores go, else a spawned tracker warns
-        for thread in threading.enumerate():  # a closed queue's feeder thread holds two of them until it ends
-            if thread.name == "QueueFeederThread":
-                thread.join(timeout=1)
-        sys.stdout.flush(), sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    return 130
 
 
 # ---- The three benchmarks, read in the layouts their authors publish ----------------------------
@@ -119,16 +46,6 @@ class Pair:
     change_type: str | None = None  # a CLEVR-Change type_mapping key, "distractor", or None
     distractor: Path | None = None  # the before scene under another viewpoint / light only (CLEVR-Change)
     distractor_captions: list[str] = field(default_factory=list)
-
-
-def check_writable(folder, flag):
-    """Refuse a folder that cannot be made or written before any work is done; nothing is created."""
-    path = Path(folder).absolute()
-    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))  # a link to nowhere counts
-    if not existing.is_dir():
-        raise InputError(f"{flag} {folder}: {existing} is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {folder}: {existing} is not writable")
 
 
 def missing(dataset, path, what="not found"):
@@ -333,114 +250,6 @@ def to_rgb(image):
         image = Image.fromarray((values * scale).clip(0, 255).round().astype(np.uint8))
     return image.convert("RGB")
 
-
-def format_eta(seconds):
-    minutes, s = divmod(int(seconds), 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{s:02d}s"
-
-
-def scratch(path, suffix):
-    """`<path>.<host>-<pid>.<suffix>`: the name `path` is written under, then renamed when whole. Two runs
-    may write at once (the last one wins). What this host's writers that no longer run left under such
-    names is removed first: SIGKILL, and SIGTERM too, end a process without its clean-up (tens of GB)."""
-    path, host = Path(path), socket.gethostname()
-    name = re.compile(rf"{re.escape(path.name)}\.{re.escape(host)}-(\d+)\.{re.escape(suffix)}")
-    for leftover in path.parent.iterdir() if path.parent.is_dir() else ():
-        if (match := name.fullmatch(leftover.name)) and not running(int(match[1])):
-            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
-    return path.with_name(f"{path.name}.{host}-{os.getpid()}.{suffix}")
-
-
-@contextlib.contextmanager
-def new_folders(folder):
-    """Make `folder` and its missing parents; those made are removed again if the block leaves them empty
-    (a run or a drawing that failed before writing anything there)."""
-    made = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        yield
-    finally:
-        for made_folder in filter(Path.is_dir, made):  # not all were made if making them failed
-            if any(made_folder.iterdir()):  # it, and so its parents, hold what the block wrote
-                break
-            made_folder.rmdir()
-
-
-def running(pid):
-    if os.name == "nt":  # Windows' os.kill ends the process whatever the signal: what it left stays
-        return True
-    try:
-        os.kill(pid, 0)  # no signal is sent: only whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
-
-
-def write_file(path, content):
-    """Text or bytes into the file `path`, whole or not at all (a full disk: one line, no cut file); a device in place."""
-    path, content = Path(path), content.encode() if isinstance(content, str) else content
-    try:
-        if stream := standard_stream(path):  # opened anew, a file it goes to would be cut short, then written over
-            stream.flush()  # what was printed before comes first
-            stream.buffer.write(content)
-            return stream.buffer.flush()
-        if is_device(path):  # a pipe, /dev/null, ...
-            return path.write_bytes(content)
-        (target := path.resolve()).parent.mkdir(parents=True, exist_ok=True)  # a link: the file it names is replaced
-        tmp = scratch(target, "tmp")
-        try:
-            tmp.write_bytes(content)
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(OSError):  # on a read-only disk even this fails
-                tmp.unlink(missing_ok=True)
-    except OSError as e:
-        raise InputError(f"{path}: cannot write it ({e.strerror})") from None
-
-
-def standard_stream(path):
-    """sys.stdout or sys.stderr if it writes to `path` (/dev/stdout, or the file it is redirected to), else None."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # no such file, or a stream that is no file (a test's capture)
-            if os.path.samestat(os.stat(path), os.fstat(stream.fileno())):
-                return stream
-
-
-def is_device(path):
-    """Written in place, never replaced: our own stdout or stderr, a pipe, /dev/null, ..."""
-    path = Path(path)
-    return standard_stream(path) is not None or path.exists() and not (path.is_file() or path.is_dir())
-
-
-@contextlib.contextmanager
-def ctrl_c_kept_here():
-    """Processes started inside never see Ctrl-C (SIGINT stays blocked in them, through spawn's exec too): this
-    process alone gets it and ends them as it unwinds. Else one that dies of it (under spawn, while it imports)
-    prints a traceback, and the run fails with "worker exited unexpectedly" or carries on. A Ctrl-C meanwhile
-    is held till they have started (under spawn, imported: seconds): halfway, one would read half its data."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
-        yield  # Windows; or a thread, which may not set handlers (and gets no Ctrl-C)
-        return
-    if multiprocessing.get_start_method() != "fork":  # starting spawn's resource tracker unblocks SIGINT: first
-        multiprocessing.resource_tracker.ensure_running()
-    pressed = []
-    handler = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))  # another thread may take the signal
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        signal.signal(signal.SIGINT, handler)  # first runs the handler for a Ctrl-C held till now
-    if pressed:
-        raise KeyboardInterrupt
-
-
-def worker_pool(processes):
-    """Processes that leave Ctrl-C to this one, which ends them: else each prints a traceback, and the pool may hang."""
-    with ctrl_c_kept_here():
-        return multiprocessing.Pool(processes)  # a Ctrl-C held meanwhile drops it: gc ends it (end_interrupted)
 
 
 class Loader(torch.utils.data.DataLoader):

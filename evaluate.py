@@ -34,11 +34,13 @@ from pycocoevalcap.meteor.meteor import Meteor
 from pycocoevalcap.rouge.rouge import Rouge
 from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
+import cli
 import clip_weights
 import data
 import figures
 import train
-from data import CHANGE_TYPES, PAPER_TYPE_NAME, InputError
+from cli import InputError
+from data import CHANGE_TYPES, PAPER_TYPE_NAME
 from model import Captioner
 from tokenizer import EOT, get_tokenizer, tokenize
 
@@ -158,7 +160,7 @@ def predict(captioner, items, device, store=None, amp="auto", workers=-1, progre
                 ids = captioner.generate(before.to(device), after.to(device))
             preds.update((items[i].id, text) for i, text in zip(index.tolist(), ids_to_text(ids)))
             if progress:
-                eta = data.format_eta((len(items) - len(preds)) * (time.time() - start) / len(preds))
+                eta = cli.format_eta((len(items) - len(preds)) * (time.time() - start) / len(preds))
                 print(f"\rcaptioned {len(preds)}/{len(items)} pairs, eta {eta}", end="", file=sys.stderr, flush=True)
     finally:
         if progress and preds:  # the progress line ends before what follows, an error too
@@ -308,7 +310,7 @@ def format_table(metrics):
 # ---- Prediction files (COCO results format), a checkpoint over a split, and the command line ----
 def write_predictions(path, preds):
     """Write {id: caption} as COCO results: [{"image_id": id, "caption": caption}, ...]."""
-    data.write_file(path, json.dumps([{"image_id": k, "caption": c} for k, c in preds.items()], indent=1))
+    cli.write_file(path, json.dumps([{"image_id": k, "caption": c} for k, c in preds.items()], indent=1))
 
 
 def read_text(path, expected):
@@ -360,7 +362,7 @@ def score_captions(captioner, items, train_pairs, split, device, store=None, amp
 
 def save_results(out, results, split=None, preds=None):
     """metrics.json and, for captions, <split>_predictions.json in the folder `out`."""
-    data.write_file(Path(out) / "metrics.json", json.dumps(results, indent=2))
+    cli.write_file(Path(out) / "metrics.json", json.dumps(results, indent=2))
     if preds is not None:
         write_predictions(Path(out) / f"{split}_predictions.json", preds)
     print(f"wrote {out}/metrics.json" + (f" and {out}/{split}_predictions.json" if preds is not None else ""))
@@ -413,7 +415,7 @@ def score_predictions(args):
     metrics = score_items(items, preds)
     print(f"{args.data} {args.split}: {len(items)} image pairs\n{format_table(metrics)}")
     if args.out:
-        data.write_file(args.out, json.dumps({args.split: metrics}, indent=2))
+        cli.write_file(args.out, json.dumps({args.split: metrics}, indent=2))
 
 
 def read_pair_list(path):
@@ -445,8 +447,8 @@ def caption_pairs(captioner, args, device):
     preds = predict(captioner, items, device, amp=args.amp, workers=0, progress=True)
     lines = [json.dumps({"before": str(p.before), "after": str(p.after), "caption": preds[p.id]}) for p in items]
     if args.out:
-        data.write_file(args.out, "\n".join(lines) + "\n")
-        if data.standard_stream(args.out) is not sys.stdout:  # else it would end the captions' JSON lines
+        cli.write_file(args.out, "\n".join(lines) + "\n")
+        if cli.standard_stream(args.out) is not sys.stdout:  # else it would end the captions' JSON lines
             print(f"wrote {len(lines)} captions to {args.out}")
     else:
         print("\n".join(lines))
@@ -458,14 +460,14 @@ def caption_one_pair(captioner, args, device):
     with train.mixed_precision(device, args.amp)[0]:
         print(ids_to_text(captioner.generate(before, after))[0])
     if args.attention:
-        data.write_file(args.attention, figures.attention_file(captioner, before, after, args.pair, args.attention))
+        cli.write_file(args.attention, figures.attention_file(captioner, before, after, args.pair, args.attention))
         print(f"wrote {args.attention}")
 
 
 def check_outputs(outputs, overwrite):
     """Refused before any scoring and creating nothing: replacing a result unless told to, ending a run (a
     metrics.json beside its last.pt or .lock), a file that cannot be written. outputs: (flag, path or None) pairs."""
-    for flag, path in ((flag, Path(p)) for flag, p in outputs if p and not data.is_device(p)):  # devices replace nothing
+    for flag, path in ((flag, Path(p)) for flag, p in outputs if p and not cli.is_device(p)):  # devices replace nothing
         if path.is_dir():
             raise InputError(f"{path} is a folder: expected a file to write ({flag})")
         if path.name == "metrics.json" and not path.exists() and any((path.parent / n).exists() for n in ("last.pt", ".lock")):
@@ -473,11 +475,11 @@ def check_outputs(outputs, overwrite):
                              f"as finished (--resume refuses it then); give another {flag}")
         if path.exists() and not overwrite:
             raise InputError(f"{path} exists: pass --overwrite to replace it, or another {flag}")
-        data.check_writable(path.parent, flag)
+        cli.check_writable(path.parent, flag)
 
 
 def main(argv=None):
-    parser = data.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--predictions", help='score this COCO results json: [{"image_id", "caption"}, ...]')
     parser.add_argument("--ckpt", help="run this checkpoint: best.pt or last.pt of adapt.py or caption.py, "
                         "or the authors' pytorch_model.bin.*")

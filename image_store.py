@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import cli
 import data
-from data import InputError
+from cli import InputError
 
 log = logging.getLogger("image_store")
 
@@ -43,7 +44,7 @@ class ImageStore:
             except OSError as e:  # a read-only dataset
                 raise InputError(f"--cache: cannot write the image store {self.path} ({e.strerror}): pass --no-cache") from None
             build_store(self.path, files, size)
-            data.write_file(index_path, json.dumps(index))
+            cli.write_file(index_path, json.dumps(index))
         # Mapped now, the file just checked, which forked loader processes (new at each validation) inherit:
         # mapped later by its path, it may be gone, or hold another image list's rows, as another run that
         # finds the data changed removes and rebuilds it
@@ -72,17 +73,17 @@ def stamp(path):  # what replacing the file changes
 
 def build_store(path, files, size):
     """Decode and resize `files` on every core into the uint8 file `path`, written whole or not at all."""
-    tmp, start = data.scratch(path, "tmp"), time.time()
+    tmp, start = cli.scratch(path, "tmp"), time.time()
     try:
         claim_space(tmp, len(files) * 3 * size * size, path)
         pixels = np.memmap(tmp, np.uint8, "r+", shape=(len(files), 3, size, size))
-        with data.worker_pool(min(data.cores(), 1 + len(files) // 64)) as pool:
+        with cli.worker_pool(min(data.cores(), 1 + len(files) // 64)) as pool:
             for i, image in enumerate(pool.imap(functools.partial(data.read_array, size=size), files, chunksize=16), 1):
                 pixels[i - 1] = image
                 if i % 2000 == 0 or i == len(files):
                     rate = i / (time.time() - start)
                     log.info("image store %s: %d/%d images, %.0f/s, eta %s", path, i, len(files), rate,
-                             data.format_eta((len(files) - i) / rate))
+                             cli.format_eta((len(files) - i) / rate))
         pixels.flush()
         del pixels
         os.replace(tmp, path)

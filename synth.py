@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data import (DISK_ERRNOS, ArgumentParser, InputError, check_writable, cores, end_interrupted, new_folders,
-                  read_json, scratch, worker_pool)
+from cli import DISK_ERRNOS, ArgumentParser, InputError, check_writable, end_interrupted, new_folders, scratch, worker_pool
+from data import cores, read_json
 
 log = logging.getLogger("synth")
 

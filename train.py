@@ -37,11 +37,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+import cli
 import clip_weights
 import data
 import image_store
 import synth
-from data import InputError
+from cli import InputError
 from model import distributed
 
 # The values a flag may take, both ends included (None: open); checked before anything is built.
@@ -60,23 +61,23 @@ training_begun = False  # till then, the processes of a machine read the same fl
 
 # ---- Flags, run folder, processes, device and precision -----------------------------------------
 def main(run, argv=None):
-    """Run a command line's `run(argv)`: the failures data.error_line names end in one line on stderr and exit
+    """Run a command line's `run(argv)`: the failures cli.error_line names end in one line on stderr and exit
     status 2, as argparse does, Ctrl-C in one line and the signal; any other failure keeps its traceback."""
     status, name, interrupted = 0, Path(sys.argv[0]).name, False
     try:
         run(argv)
-    except data.ONE_LINE_ERRORS as e:
-        if (message := data.error_line(e)) is None:
+    except cli.ONE_LINE_ERRORS as e:
+        if (message := cli.error_line(e)) is None:
             raise
         # Till training begins, bad input is alike in every process of a machine (not memory): its first says it.
         alike = isinstance(e, (InputError, FileNotFoundError)) and not training_begun
-        if not alike or data.first_of_machine():
+        if not alike or cli.first_of_machine():
             print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
     except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
         interrupted = True
     if interrupted:  # out of the except clause, the run's frames are gone: its loaders have ended their processes
-        status = data.end_interrupted(name)
+        status = cli.end_interrupted(name)
     if distributed():
         if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
             dist.barrier()
@@ -105,7 +106,7 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors
                          for k, v in preset.items())
     epilog = f"--data synth (the offline default) sets: {flags(synth_defaults)}"
     epilog += "".join(f"; --recipe authors with --data {d} sets: {flags(p)}" for d, p in authors_defaults.items())
-    parser = data.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+    parser = cli.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
     comments = field_help(config_cls)
     for f in dataclasses.fields(config_cls):
         low, high = LIMITS.get(f.name, (None, None))
@@ -172,7 +173,7 @@ def check_run_folder(cfg, held=False):
     """--out_dir may hold an earlier run only with --resume (same settings, not finished) or --overwrite, and
     none that is training. `held`: checked again once this run holds the lock, as another may have written since."""
     out = Path(cfg.out_dir)
-    data.check_writable(out, "--out_dir")
+    cli.check_writable(out, "--out_dir")
     earlier = [name for name in RUN_FILES if (out / name).exists()]
     if not held and (out / ".lock").is_file() and os.environ.get("RANK", "0") == "0":  # a run trains there
         with open(out / ".lock", "a") as lock:  # closing it lets go (of this process's lock too, were it held)
@@ -212,7 +213,7 @@ def locked(out):
     """Hold out/.lock while training, so that a second run on the folder is refused rather than racing on its
     files, and remove what a killed checkpoint write left (.tmp). Folders it made are removed if the run ends
     before writing anything into them."""
-    with data.new_folders(out), open(out / ".lock", "w") as lock:
+    with cli.new_folders(out), open(out / ".lock", "w") as lock:
         take_lock(lock, out)
         for name in ("last.pt", "best.pt"):  # what clip_weights.save_atomic leaves; the user's own *.tmp stay
             (out / f"{name}.tmp").unlink(missing_ok=True)
@@ -312,14 +313,14 @@ def in_turns():
     """Rank 0 first, then the first process of each other machine (whose disk may be its own), then the others:
     what a turn makes where it is missing, the next finds. Yields the turn. A turn that fails stops every process
     at its end with the failure's line, said once a machine as bad input is, not with a connection lost."""
-    turn, failure = 0 if rank() == 0 else 1 if data.first_of_machine() else 2, None
+    turn, failure = 0 if rank() == 0 else 1 if cli.first_of_machine() else 2, None
     for now in range(3):
         if now == turn:
             try:
                 yield turn
             except Exception as e:
                 failure = e
-        line = failure and (data.error_line(failure) or f"process {rank()} stopped ({type(failure).__name__})")
+        line = failure and (cli.error_line(failure) or f"process {rank()} stopped ({type(failure).__name__})")
         said = [s for s in gather_objects(line) if s]
         if failure:
             raise failure
@@ -514,7 +515,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                     seconds = time.time() - since
                     print(f"epoch {epoch + 1}/{cfg.epochs} step {state['step']}/{total} loss {value:.4f} "
                           f"lr {lr:.2e}{extra} pairs/s {pairs / seconds:.1f} "
-                          f"eta {data.format_eta((total - state['step']) * seconds / steps)}", flush=True)
+                          f"eta {cli.format_eta((total - state['step']) * seconds / steps)}", flush=True)
                     since, pairs, steps = time.time(), 0, 0
                 # An epoch's end and the run's end save after validating: killed while validating, a run
                 # resumes from before them and validates again.

@@ -15,7 +15,7 @@ import caption
 import clip_weights
 import evaluate
 import synth
-from data import InputError
+from cli import InputError
 from model import CLIP4IDC, Captioner
 
 FIXTURE = Path(__file__).parent / "authors_fixture"

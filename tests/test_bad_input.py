@@ -24,13 +24,14 @@ from PIL import Image
 import adapt
 import bench
 import caption
+import cli
 import clip_weights
 import data
 import evaluate
 import synth
 import train
 import tokenizer
-from data import InputError
+from cli import InputError
 from model import CLIP, Captioner, CaptionerConfig, CLIPConfig
 from tiny import tiny_pair_encoder
 
@@ -684,7 +685,7 @@ def test_ctrl_c_is_one_line_ends_by_the_signal_and_a_resume_continues_the_run(ro
 
 SLOW_FEEDER = """
 import multiprocessing, time
-import data
+import cli
 
 class Slow:  # pickled by the queue's feeder thread, which thus ends half a second after the queue is closed
     def __reduce__(self):
@@ -696,7 +697,7 @@ if __name__ == "__main__":
     queue.put(Slow())
     queue.close()
     del queue
-    data.end_interrupted("x.py")
+    cli.end_interrupted("x.py")
 """
 
 
@@ -730,10 +731,10 @@ def sigint_blocked(pid):
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_pool_and_loader_processes_never_see_ctrl_c_however_they_are_started(method):
     script = f"""
-import multiprocessing, signal, torch, data
+import multiprocessing, signal, torch, cli, data
 from test_bad_input import sigint_blocked
 multiprocessing.set_start_method("{method}")
-with data.worker_pool(2):
+with cli.worker_pool(2):
     print([sigint_blocked(p.pid) for p in multiprocessing.active_children()])
 batches = iter(data.make_loader(torch.utils.data.TensorDataset(torch.arange(8)), 4, torch.device("cpu"), workers=2))
 print([sigint_blocked(p.pid) for p in multiprocessing.active_children()], sigint_blocked("self"),
@@ -1159,10 +1160,10 @@ def test_the_folders_a_failed_start_made_are_removed_even_when_making_them_faile
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return mkdir(path, *args, **kwargs)
     monkeypatch.setattr(os, "mkdir", full_at_c)
-    with pytest.raises(OSError, match="No space left"), data.new_folders(tmp_path / "a" / "b" / "c"):
+    with pytest.raises(OSError, match="No space left"), cli.new_folders(tmp_path / "a" / "b" / "c"):
         pytest.fail("the block ran without its folder")
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(KeyboardInterrupt), data.new_folders(tmp_path / "a" / "b"):  # made, then the block fails
+    with pytest.raises(KeyboardInterrupt), cli.new_folders(tmp_path / "a" / "b"):  # made, then the block fails
         (tmp_path / "a" / "kept").write_text("written by the block")
         raise KeyboardInterrupt
     assert [p.name for p in tmp_path.rglob("*")] == ["a", "kept"]

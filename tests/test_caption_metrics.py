@@ -12,7 +12,7 @@ from pycocoevalcap.rouge.rouge import Rouge
 from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
 import evaluate
-from data import InputError
+from cli import InputError
 from evaluate import CHANGE_TYPES, caption_metrics, format_table, per_type_cider
 
 REFS = {

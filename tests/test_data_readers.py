@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+import cli
 import data
 
 
@@ -175,7 +176,7 @@ def test_spot_img_id_that_cannot_name_images_is_refused(tmp_path, img_id, shown)
     write_spot(tmp_path)
     (tmp_path / "annotations" / "val.json").write_text(json.dumps([{"img_id": 9, "sentences": ["z"]},
                                                                    {"img_id": img_id, "sentences": ["z"]}]))
-    with pytest.raises(data.InputError, match=f"val.json: entry 1: img_id {shown}; expected a string or an integer$"):
+    with pytest.raises(cli.InputError, match=f"val.json: entry 1: img_id {shown}; expected a string or an integer$"):
         data.read_split("spot", tmp_path, "val")
 
 
@@ -262,7 +263,7 @@ def test_unknown_dataset_is_refused(tmp_path):
 def test_clevr_json_of_the_wrong_shape_is_named(tmp_path, name, content, message):
     write_clevr(tmp_path)
     (tmp_path / f"{name}.json").write_text(json.dumps(content))
-    with pytest.raises(data.InputError) as e:
+    with pytest.raises(cli.InputError) as e:
         data.read_split("clevr", tmp_path, "train")
     assert str(e.value).startswith(f"{tmp_path / name}.json: ") and message in str(e.value)
 
@@ -270,7 +271,7 @@ def test_clevr_json_of_the_wrong_shape_is_named(tmp_path, name, content, message
 def test_spot_json_of_the_wrong_shape_is_named(tmp_path):
     write_spot(tmp_path)
     (tmp_path / "annotations" / "val.json").write_text(json.dumps({"img_id": "9", "sentences": ["z"]}))
-    with pytest.raises(data.InputError, match="val.json: top level is a dict; expected a list of objects with keys "
+    with pytest.raises(cli.InputError, match="val.json: top level is a dict; expected a list of objects with keys "
                                               "img_id, sentences"):
         data.read_split("spot", tmp_path, "val")
 
@@ -282,7 +283,7 @@ def test_spot_json_of_the_wrong_shape_is_named(tmp_path):
 def test_json_not_in_utf8_is_named(tmp_path, content, message):
     write_clevr(tmp_path)
     (tmp_path / "splits.json").write_bytes(content)
-    with pytest.raises(data.InputError, match=f"{tmp_path / 'splits.json'}: {message}"):
+    with pytest.raises(cli.InputError, match=f"{tmp_path / 'splits.json'}: {message}"):
         data.read_split("clevr", tmp_path, "train")
 
 
@@ -291,7 +292,7 @@ def test_a_lone_surrogate_in_a_caption_is_named_with_file_and_id(tmp_path):
     change = json.loads((tmp_path / "change_captions.json").read_text())
     change["CLEVR_default_000002.png"][1] = "the cube \ud800 moved"
     (tmp_path / "change_captions.json").write_text(json.dumps(change))  # valid JSON: "\ud800" is escaped
-    with pytest.raises(data.InputError, match=r"change_captions.json: CLEVR_default_000002.png: a caption holds the "
+    with pytest.raises(cli.InputError, match=r"change_captions.json: CLEVR_default_000002.png: a caption holds the "
                                               r'lone surrogate "\\ud800"; expected text that UTF-8 can encode'):
         data.read_split("clevr", tmp_path, "train")
 
@@ -310,22 +311,22 @@ def test_ier_uids_and_image_names_of_other_types(tmp_path):
     assert [p.id for p in data.read_split("ier", tmp_path, "test")] == ["5", "6"]
     entries[1]["uid"] = ["Reddit", 2]
     path.write_text(json.dumps(entries))
-    with pytest.raises(data.InputError, match=r'test.json: entry 1: uid \["Reddit", 2\]; expected a string or an integer'):
+    with pytest.raises(cli.InputError, match=r'test.json: entry 1: uid \["Reddit", 2\]; expected a string or an integer'):
         data.read_split("ier", tmp_path, "test")
     entries[1]["uid"], entries[1]["img0"] = "Reddit_2", 3
     path.write_text(json.dumps(entries))
-    with pytest.raises(data.InputError, match=r"test.json: entry 1 \(uid 'Reddit_2'\): img0 3, img1 \"d.gif\"; "
+    with pytest.raises(cli.InputError, match=r"test.json: entry 1 \(uid 'Reddit_2'\): img0 3, img1 \"d.gif\"; "
                                               "expected image file names"):
         data.read_split("ier", tmp_path, "test")
 
 
 def test_an_empty_split_is_refused(tmp_path, caplog):
     write_clevr(tmp_path)
-    with pytest.raises(data.InputError, match=f"^{tmp_path} test: no pairs; each split needs at least one$"):
+    with pytest.raises(cli.InputError, match=f"^{tmp_path} test: no pairs; each split needs at least one$"):
         data.read_split("clevr", tmp_path, "test")
     write_spot(tmp_path / "spot")
-    with pytest.raises(data.InputError, match=f"^{tmp_path / 'spot'} test: no pairs; each split needs at least one$"):
+    with pytest.raises(cli.InputError, match=f"^{tmp_path / 'spot'} test: no pairs; each split needs at least one$"):
         data.read_split("spot", tmp_path / "spot", "test")
     (tmp_path / "spot" / "annotations" / "train.json").write_text(json.dumps([{"img_id": "9", "sentences": ["..."]}]))
-    with pytest.raises(data.InputError, match="train: no pairs; each split needs at least one"):
+    with pytest.raises(cli.InputError, match="train: no pairs; each split needs at least one"):
         data.read_split("spot", tmp_path / "spot", "train")  # no pair is left with a worded caption

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
+import cli
 import data
 import image_store
 import synth
@@ -123,9 +124,9 @@ def test_on_windows_no_process_is_asked_whether_it_runs(monkeypatch):
     ended.wait()
     killed = []
     with monkeypatch.context() as patch:  # undone before pytest, which reads os.name, reports
-        patch.setattr(data.os, "kill", lambda pid, sig: killed.append(pid))
-        patch.setattr(data.os, "name", "nt")
-        said = data.running(ended.pid)
+        patch.setattr(cli.os, "kill", lambda pid, sig: killed.append(pid))
+        patch.setattr(cli.os, "name", "nt")
+        said = cli.running(ended.pid)
     assert said and killed == []
 
 
@@ -162,7 +163,7 @@ def test_a_store_the_disk_has_no_room_for_is_refused_before_any_image_is_read(tm
         assert torch.equal(image_store.ImageStore(pairs, 224, tmp_path / "s")(pairs[0].after, 224),
                            data.read_pixels(pairs[0].after, 224))
         return
-    with pytest.raises(data.InputError, match=rf"--cache: cannot write the image store .*store_224px.u8 of {megabytes:.1f} "
+    with pytest.raises(cli.InputError, match=rf"--cache: cannot write the image store .*store_224px.u8 of {megabytes:.1f} "
                                               r"MB \(No space left on device\): make room there, or pass --no-cache"):
         image_store.ImageStore(pairs, 224, tmp_path / "s")
     assert list((tmp_path / "s").iterdir()) == []

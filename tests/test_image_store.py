@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+import cli
 import data
 import image_store
 from test_data_readers import png, write_clevr
@@ -29,7 +30,7 @@ def test_a_failed_build_leaves_no_temporary_file(tmp_path):
     bad = pairs[1].after
     bad.write_bytes(bad.read_bytes()[:40])  # a truncated PNG
     (tmp_path / "s").mkdir()
-    with pytest.raises(data.InputError, match=f"^{bad}: cannot read image"):
+    with pytest.raises(cli.InputError, match=f"^{bad}: cannot read image"):
         image_store.ImageStore(pairs, 16, tmp_path / "s")
     assert list((tmp_path / "s").iterdir()) == []
 
@@ -60,7 +61,7 @@ def test_a_store_that_cannot_be_written_beside_read_only_data_says_to_pass_no_ca
         raise OSError(errno.EROFS, "Read-only file system", str(path))
     monkeypatch.setattr(Path, "unlink", read_only)
     store = tmp_path / "d" / "store_16px.u8"
-    with pytest.raises(data.InputError, match=re.escape(f"--cache: cannot write the image store {store} (Read-only "
+    with pytest.raises(cli.InputError, match=re.escape(f"--cache: cannot write the image store {store} (Read-only "
                                                         "file system): pass --no-cache")):
         image_store.ImageStore(pairs, 16, tmp_path / "d")
 
@@ -73,7 +74,7 @@ def test_the_store_is_built_by_as_many_processes_as_this_process_has_cores(tmp_p
     monkeypatch.setattr(data.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     monkeypatch.setattr(data.os, "cpu_count", lambda: 64)
     pools = []
-    monkeypatch.setattr(data, "worker_pool", lambda n, pool=data.worker_pool: pools.append(n) or pool(n))
+    monkeypatch.setattr(cli, "worker_pool", lambda n, pool=cli.worker_pool: pools.append(n) or pool(n))
     image_store.build_store(tmp_path / "store.u8", files, 8)
     assert pools == [1] and (tmp_path / "store.u8").stat().st_size == 130 * 3 * 8 * 8
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import cli
 import data
 import synth
 
@@ -166,7 +167,7 @@ def test_ensure_synth_generates_only_when_missing(tmp_path, caplog):
     assert (root / "scenes.json").stat().st_mtime_ns == stamp
     assert f"{root} holds 10 pairs, not the 12 asked for: delete it to generate those" in caplog.text
     (root / "scenes.json").write_text((root / "scenes.json").read_text()[:100])  # a copy cut short
-    with pytest.raises(data.InputError, match=r"scenes.json: malformed JSON at line 1 "):
+    with pytest.raises(cli.InputError, match=r"scenes.json: malformed JSON at line 1 "):
         synth.ensure_synth(root, pairs=10, seed=1)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import adapt
+import cli
 import data
 import synth
 import train
@@ -208,7 +209,7 @@ def test_a_diverged_loss_stops_the_run_at_the_next_progress_line(tmp_path):
     model = tiny_pair_encoder()
     forward = model.forward
     model.forward = lambda *batch: forward(*batch) * float("nan")  # as a far too high learning rate ends
-    with pytest.raises(data.InputError, match=r"^step 3: the loss is nan, training diverged: lower --lr or --lr_clip$"):
+    with pytest.raises(cli.InputError, match=r"^step 3: the loss is nan, training diverged: lower --lr or --lr_clip$"):
         fit(config(tmp_path, log_every=3), model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
 
 
@@ -234,7 +235,7 @@ def test_weights_gone_nan_are_not_saved_over_the_last_good_checkpoint(tmp_path):
         steps.append(1)
         if len(steps) == 3:
             next(model.parameters()).data.fill_(float("inf"))
-    with pytest.raises(data.InputError, match=r"^step 4: the weights are not finite, training diverged"):
+    with pytest.raises(cli.InputError, match=r"^step 4: the weights are not finite, training diverged"):
         fit(config(tmp_path, save_every=2), model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine",
             after_step=break_at_step_3)
     last = torch.load(tmp_path / "last.pt", weights_only=True)
@@ -253,7 +254,7 @@ def test_weights_gone_nan_are_neither_validated_nor_saved_as_best_and_an_overwri
         if len(steps) == 6:
             next(model.parameters()).data.fill_(float("nan"))
     steps, validated = [], []
-    with pytest.raises(data.InputError, match=r"^step 6: the weights are not finite, training diverged"):
+    with pytest.raises(cli.InputError, match=r"^step 6: the weights are not finite, training diverged"):
         fit(config(tmp_path, save_every=100, overwrite=True), model, ToyPairs(), lambda: validated.append(1) or (0.0, {}),
             model.new_parameter_names(), "cosine", after_step=break_at_step_6)
     assert validated == [] and {p.name: p.read_bytes() for p in tmp_path.iterdir()} == earlier
@@ -274,7 +275,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
         raise error
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(data.InputError if message else RuntimeError, match=rf"^{path}: {message}" if message else "CUDA"):
+    with pytest.raises(cli.InputError if message else RuntimeError, match=rf"^{path}: {message}" if message else "CUDA"):
         save_atomic({"step": 2}, path)
     assert torch.load(path)["step"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
 
