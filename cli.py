@@ -22,6 +22,10 @@ import torch
 
 # ---- Failures told in one line, and Ctrl-C ------------------------------------------------------
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a full or read-only disk: one line too, not a traceback
+# A path that names no file to read or write: nothing there, a folder, a file on the way, a loop of links, a name too
+# long. By class where Python has one: a loader process's failure comes back with its class but without its errno.
+PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+PATH_ERRNOS = (errno.ELOOP, errno.ENAMETOOLONG)
 
 
 class InputError(ValueError):
@@ -55,7 +59,7 @@ def error_line(e):
     """What ends a command line in one line on stderr: bad input (InputError, a missing or unreadable file), a
     full or read-only disk, memory that runs out or a failed download; None for a failure that keeps its traceback."""
     disk, memory = getattr(e, "errno", None) in DISK_ERRNOS, out_of_memory(e)  # disk: full or read-only
-    if not (disk or memory or isinstance(e, (InputError, FileNotFoundError, PermissionError, ConnectionError))):
+    if not (disk or memory or bad_input(e) or isinstance(e, (PermissionError, ConnectionError))):
         return None
     message = str(e)
     if "\nOriginal Traceback" in message:  # raised in a loader process, whose traceback torch prepends
@@ -64,6 +68,11 @@ def error_line(e):
         detail = (message.split("DefaultCPUAllocator: ")[-1].splitlines() or [type(e).__name__])[0]
         message = f"out of memory: {detail}; a smaller batch or model, or fewer loader workers, needs less"
     return message
+
+
+def bad_input(e):
+    """Alike in every process of a machine: bad input we name, or a path that names no usable file."""
+    return isinstance(e, (InputError, *PATH_ERRORS)) or getattr(e, "errno", None) in PATH_ERRNOS
 
 
 def out_of_memory(e):
@@ -145,7 +154,7 @@ def write_file(path, content):
             return stream.buffer.flush()
         if is_device(path):  # a pipe, /dev/null, ...
             return path.write_bytes(content)
-        (target := path.resolve()).parent.mkdir(parents=True, exist_ok=True)  # a link: the file it names is replaced
+        (target := link_target(path)).parent.mkdir(parents=True, exist_ok=True)  # a link: the file it names is replaced
         tmp = scratch(target, "tmp")
         try:
             tmp.write_bytes(content)
@@ -155,6 +164,14 @@ def write_file(path, content):
                 tmp.unlink(missing_ok=True)
     except OSError as e:
         raise InputError(f"{path}: cannot write it ({e.strerror})") from None
+
+
+def link_target(path):
+    """The file `path` names through its links (itself if none): what write_file replaces. A loop is refused."""
+    target = Path(os.path.realpath(path))  # where links loop, the last is left unresolved
+    if target.is_symlink():
+        raise InputError(f"{path}: a loop of symbolic links; expected a file to write, or a link to one")
+    return target
 
 
 def standard_stream(path):

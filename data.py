@@ -70,6 +70,8 @@ def read_json(dataset, *candidates, keys=()):
         raise InputError(f"{path}: malformed JSON at {where}: {e.msg}") from None
     except UnicodeDecodeError as e:  # another encoding (UTF-16, Latin-1) or damaged bytes
         raise InputError(f"{path}: byte {e.start} is not UTF-8 ({e.reason}); expected JSON in UTF-8") from None
+    except (ValueError, RecursionError) as e:  # an integer of over 4,300 digits; arrays nested thousands deep
+        raise InputError(f"{path}: JSON that Python does not read ({e})") from None
     expected = f"a list of objects with keys {', '.join(keys)}" if keys else "a JSON object"
     if not isinstance(content, list if keys else dict):
         raise InputError(f"{path}: top level is a {type(content).__name__}; expected {expected}")

@@ -324,9 +324,10 @@ def read_text(path, expected):
 
 def read_predictions(path):
     """{image_id: caption} of a COCO results file; what is not one is named with its first bad entry."""
+    text = read_text(path, "a COCO results json")
     try:
-        results = json.loads(read_text(path, "a COCO results json"))
-    except json.JSONDecodeError as e:
+        results = json.loads(text)
+    except (ValueError, RecursionError) as e:  # malformed; or an integer of over 4,300 digits, arrays nested deep
         raise InputError(f"{path}: not a JSON file ({e})") from None
     if not isinstance(results, list):
         raise InputError(f'{path}: expected a list of {{"image_id", "caption"}} objects, not a {type(results).__name__}')
@@ -468,7 +469,7 @@ def check_outputs(outputs, overwrite):
     """Refused before any scoring and creating nothing: replacing a result unless told to, ending a run (a
     metrics.json beside its last.pt or .lock), a file that cannot be written. outputs: (flag, path or None) pairs."""
     for flag, path in ((flag, Path(p)) for flag, p in outputs if p and not cli.is_device(p)):  # devices replace nothing
-        if path.is_dir():
+        if cli.link_target(path).is_dir():  # a loop of links is refused here, not after the scoring
             raise InputError(f"{path} is a folder: expected a file to write ({flag})")
         if path.name == "metrics.json" and not path.exists() and any((path.parent / n).exists() for n in ("last.pt", ".lock")):
             raise InputError(f"{flag}: {path.parent} holds a run that has not finished, which a metrics.json would mark "

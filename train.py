@@ -70,7 +70,7 @@ def main(run, argv=None):
         if (message := cli.error_line(e)) is None:
             raise
         # Till training begins, bad input is alike in every process of a machine (not memory): its first says it.
-        alike = isinstance(e, (InputError, FileNotFoundError)) and not training_begun
+        alike = cli.bad_input(e) and not training_begun
         if not alike or cli.first_of_machine():
             print(f"{name}: error: {message}", file=sys.stderr)
         status = 2
@@ -174,6 +174,8 @@ def check_run_folder(cfg, held=False):
     none that is training. `held`: checked again once this run holds the lock, as another may have written since."""
     out = Path(cfg.out_dir)
     cli.check_writable(out, "--out_dir")
+    if folders := [out / name for name in (*RUN_FILES, ".lock") if (out / name).is_dir()]:  # a run cannot write there
+        raise InputError(f"{folders[0]} is a folder: expected the run's file of that name, or none; move it away")
     earlier = [name for name in RUN_FILES if (out / name).exists()]
     if not held and (out / ".lock").is_file() and os.environ.get("RANK", "0") == "0":  # a run trains there
         with open(out / ".lock", "a") as lock:  # closing it lets go (of this process's lock too, were it held)

@@ -107,6 +107,16 @@ def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(root, tmp_path, ca
     assert torch.load(out / "last.pt", weights_only=True)["config"]["seed"] == 7
 
 
+@pytest.mark.parametrize("name", [".lock", "metrics.json", "last.pt"])
+def test_a_folder_where_a_run_writes_a_file_is_refused_before_any_work(name, root, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    (out / name / "kept").mkdir(parents=True)
+    monkeypatch.setattr(train, "prepare_data", lambda *a, **k: pytest.fail("read the data"))
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", out, "--overwrite")
+    assert error.endswith(f"{out / name} is a folder: expected the run's file of that name, or none; move it away")
+    assert [p.relative_to(out) for p in sorted(out.rglob("*"))] == [Path(name), Path(name, "kept")]
+
+
 def test_a_checkpoint_write_a_killed_run_left_goes_when_the_next_run_takes_the_folder(root, tmp_path, monkeypatch):
     out = tmp_path / "run"
     out.mkdir()
@@ -1043,6 +1053,9 @@ def test_a_clip_file_with_too_few_text_positions_for_a_caption_is_named(root, tm
 
 @pytest.mark.parametrize("content, message", [
     (b"[{'image_id': 1}", "not a JSON file"),
+    pytest.param(b"[" * 100_000 + b"]" * 100_000, "not a JSON file (maximum recursion depth exceeded", id="deep"),
+    pytest.param(b'[{"image_id": ' + b"9" * 5000 + b', "caption": "y"}]', "not a JSON file (Exceeds the limit (4300 "
+                 "digits)", id="long-int"),
     (b'{"image_id": "x", "caption": "y"}', 'expected a list of {"image_id", "caption"} objects, not a dict'),
     (b'[{"image_id": "000000.png", "caption": "y"}, {"image_id": "x"}]', 'entry 1 is not an object with an image_id '
                                                                          'and a caption string: {"image_id": "x"}'),
@@ -1118,6 +1131,18 @@ def test_command_line_combinations_are_checked(root, stage_1, tmp_path, capsys):
     assert not (tmp_path / "s").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
     with pytest.raises(TypeError, match="tokenize takes a string or a list of strings, not None"):
         tokenizer.tokenize(None)
+
+
+def test_a_path_that_names_no_usable_file_is_one_line_said_alike_by_every_process():
+    for error in (IsADirectoryError(errno.EISDIR, "Is a directory", "run/.lock"),
+                  NotADirectoryError(errno.ENOTDIR, "Not a directory", "a_file/x"),
+                  OSError(errno.ELOOP, "Too many levels of symbolic links", "loop"),
+                  OSError(errno.ENAMETOOLONG, "File name too long", "x" * 300)):
+        assert cli.error_line(error) == str(error) and cli.bad_input(error)
+    assert cli.bad_input(IsADirectoryError("Caught IsADirectoryError in DataLoader worker process 0."))  # as torch re-raises it
+    for error in (OSError(errno.EIO, "Input/output error", "disk"), PermissionError(errno.EACCES, "denied", "x")):
+        assert not cli.bad_input(error)  # a disk that fails or a file one may not read: each process says its own
+    assert cli.error_line(OSError(errno.EIO, "Input/output error", "disk")) is None  # keeps its traceback
 
 
 def test_a_list_of_pairs_names_its_bad_line(tmp_path):

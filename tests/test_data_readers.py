@@ -90,6 +90,13 @@ def test_malformed_json_names_file_and_position(tmp_path):
         data.read_split("clevr", tmp_path, "train")
 
 
+def test_json_that_python_does_not_read_is_named(tmp_path):
+    write_clevr(tmp_path)
+    (tmp_path / "splits.json").write_text("[" * 100_000 + "]" * 100_000)  # valid JSON, too deep for Python's parser
+    with pytest.raises(ValueError, match=r"splits.json: JSON that Python does not read \(maximum recursion depth"):
+        data.read_split("clevr", tmp_path, "train")
+
+
 def test_missing_images_report_first_ids_and_count(tmp_path):
     write_clevr(tmp_path, ids=tuple(range(1, 9)))
     for i in range(2, 9):

@@ -423,6 +423,18 @@ def test_predictions_of_other_ids_name_the_file_and_split(case, detail, root, ri
                                           f"{root}: {detail}; expected one caption for each of its {n_ids} ids")
 
 
+def test_a_loop_of_links_is_one_line_and_as_an_output_is_refused_before_captioning(ckpt, tmp_path, capsys):
+    loop = tmp_path / "loop.png"
+    loop.symlink_to(loop.name)
+    before, after = write_pair(tmp_path)
+    earlier = snapshot(tmp_path)
+    assert error_of(capsys, "--ckpt", ckpt, "--pairs", loop) == (
+        f"[Errno {errno.ELOOP}] Too many levels of symbolic links: '{loop}'")
+    assert error_of(capsys, "--ckpt", ckpt, "--pair", before, after, "--attention", loop) == (
+        f"{loop}: a loop of symbolic links; expected a file to write, or a link to one")
+    assert snapshot(tmp_path) == earlier and loop.is_symlink()
+
+
 def test_input_files_that_are_missing_empty_binary_or_folders_are_named(root, ckpt, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n  \n")
     (tmp_path / "binary.txt").write_bytes(bytes(range(256)))
