@@ -24,7 +24,7 @@ class ImageStore:
     """Every image of `pairs` resized once to `size` px, kept as uint8 in one memory-mapped file
     `<folder>/store_<size>px.u8` (150 KB an image at 224 px) and called like `read_pixels`, in 0.01 ms where
     decoding a 480 x 320 PNG takes 1.7; memory does not grow with the dataset. Its index (`.json`) holds each
-    file's size and modification time: another image list or size, a replaced file, an unreadable index or a
+    file's size and modification and change times: another image list or size, a replaced file, an unreadable index or a
     store of another length (a copy cut short, a full disk) rebuilds it."""
 
     def __init__(self, pairs, size, folder):
@@ -66,9 +66,10 @@ class ImageStore:
         return torch.from_numpy(np.array(self.pixels[self.row[os.path.abspath(path)]]))
 
 
-def stamp(path):  # what replacing the file changes
+def stamp(path):
+    """What replacing the file changes: `cp -p` or `rsync -t` keep its modification time, not its change time."""
     info = os.stat(path)
-    return info.st_size, info.st_mtime_ns
+    return info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
 
 def build_store(path, files, size):
