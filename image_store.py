@@ -24,8 +24,8 @@ class ImageStore:
     """Every image of `pairs` resized once to `size` px, kept as uint8 in one memory-mapped file
     `<folder>/store_<size>px.u8` (150 KB an image at 224 px) and called like `read_pixels`, in 0.01 ms where
     decoding a 480 x 320 PNG takes 1.7; memory does not grow with the dataset. Its index (`.json`) holds each
-    file's size and modification and change times: another image list or size, a replaced file, an unreadable index or a
-    store of another length (a copy cut short, a full disk) rebuilds it."""
+    file's `stamp`: another image list or size, a replaced file, an unreadable index or a store of another
+    length (a copy cut short, a full disk) rebuilds it."""
 
     def __init__(self, pairs, size, folder):
         files = sorted({os.path.abspath(q) for p in pairs for q in (p.before, p.after, p.distractor) if q})
