@@ -275,10 +275,10 @@ def main(argv=None):
     for name in ("images", "texts", "repeats", "pairs", "batch", "steps", "fit_steps", "seconds", "peak_tflops"):
         if (value := getattr(args, name)) is not None and not 0 < value < math.inf:
             parser.error(f"--{name} {value}: expected a finite value above 0")
-    if args.workers < -1:
-        parser.error(f"--workers {args.workers}: expected -1 (from the machine's cores) or 0 or more")
-    if min(args.workers_list) < 0:
-        parser.error(f"--workers_list {min(args.workers_list)}: expected worker counts of 0 or more")
+    if not -1 <= args.workers <= data.MAX_WORKERS:
+        parser.error(f"--workers {args.workers}: expected -1 (from the machine's cores) or 0 to {data.MAX_WORKERS}")
+    if bad := [n for n in args.workers_list if not 0 <= n <= data.MAX_WORKERS]:
+        parser.error(f"--workers_list {bad[0]}: expected worker counts of 0 to {data.MAX_WORKERS}")
     if args.what == "loader" and not args.data_root:
         parser.error("loader times a dataset's loading: give its folder as --data_root")
     fit = ("data", "fit_steps", "workers")  # train reads them only to time train.fit on --data_root

@@ -358,6 +358,9 @@ def cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+MAX_WORKERS = 256  # more than any machine's loading needs; a typo's thousands of processes would stall it
+
+
 def loader_workers(workers, device):
     """Loader processes: `workers` (--workers) if 0 or more; for -1, this process's share of `cores()` less
     one, at most 8, and none for CPU training on two cores or fewer: its threads keep both cores busy, and a

@@ -47,9 +47,9 @@ from model import distributed
 
 # The values a flag may take, both ends included (None: open); checked before anything is built.
 LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), "save_every": (1, None),
-          "max_steps": (0, None), "patience": (0, None), "workers": (-1, None), "lr": (0, None), "lr_clip": (0, None),
-          "weight_decay": (0, None), "grad_clip": (0, None), "warmup": (0, 1), "beta2": (0, 0.9999), "dropout": (0, 0.99),
-          "attn_dropout": (0, 0.99), "n_intra": (0, None), "n_inter": (0, None), "layers": (1, None),
+          "max_steps": (0, None), "patience": (0, None), "workers": (-1, data.MAX_WORKERS), "lr": (0, None),
+          "lr_clip": (0, None), "weight_decay": (0, None), "grad_clip": (0, None), "warmup": (0, 1), "beta2": (0, 0.9999),
+          "dropout": (0, 0.99), "attn_dropout": (0, 0.99), "n_intra": (0, None), "n_inter": (0, None), "layers": (1, None),
           "heads": (1, None), "ffn": (1, None), "max_len": (2, None), "seed": (0, 2**32 - 1)}
 # What a resumed run may change: nothing that shapes the model, the optimiser, the data order or the schedule.
 # What a model starts from (--clip, --init_from) may move: last.pt holds the weights, and resume() checks the shape.

@@ -216,6 +216,7 @@ def test_the_folder_of_a_killed_run_is_free_at_once_for_its_resume(tmp_path):
     (["--lr", "0", "--lr_clip", "0"], "--lr 0 and --lr_clip 0: nothing would train"),
     (["--beta2", "1"], "--beta2 1.0: expected a value in [0, 0.9999]"),  # AdamW's second moment would never move
     (["--seed", "-1"], "--seed -1: expected a value in [0, 4294967295]"),
+    (["--workers", "1" + "0" * 20], "--workers 100000000000000000000: expected a value in [-1, 256]"),  # not as many forks
     (["--seed", "1" + "0" * 400], "expected a value in [0, 4294967295]"),
     (["--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
     (["--device", "cpu:3"], "--device cpu:3: expected auto, cpu, cuda or cuda:N"),
@@ -239,8 +240,8 @@ def test_flags_are_checked_before_anything_is_built(tmp_path, capsys, monkeypatc
 
 def test_both_ends_of_a_flags_range_are_accepted():
     cfg = train.parse_config(adapt.AdaptConfig, adapt.SYNTH_DEFAULTS, "adapt", [
-        "--warmup", "1", "--beta2", "0.9999", "--seed", "4294967295", "--max_steps", "0", "--grad_clip", "0"])
-    assert (cfg.warmup, cfg.beta2, cfg.seed, cfg.max_steps, cfg.grad_clip) == (1, 0.9999, 2**32 - 1, 0, 0)
+        "--warmup", "1", "--beta2", "0.9999", "--seed", "4294967295", "--max_steps", "0", "--grad_clip", "0", "--workers", "256"])
+    assert (cfg.warmup, cfg.beta2, cfg.seed, cfg.max_steps, cfg.grad_clip, cfg.workers) == (1, 0.9999, 2**32 - 1, 0, 0, 256)
     cfg = train.parse_config(caption.CaptionConfig, caption.SYNTH_DEFAULTS, "caption", [
         "--dropout", "0.99", "--attn_dropout", "0.99", "--max_len", "2", "--patience", "0"])
     assert (cfg.dropout, cfg.attn_dropout, cfg.max_len, cfg.patience) == (0.99, 0.99, 2, 0)
@@ -379,8 +380,10 @@ def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
     (["train", "--fit_steps", "0"], "--fit_steps 0: expected a finite value above 0"),
     (["train", "--modes", "eagr"], "argument --modes: invalid choice: 'eagr'"),
     (["train", "--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
-    (["loader", "--data_root", ".", "--workers_list", "-2"], "--workers_list -2: expected worker counts of 0 or more"),
-    (["train", "--workers", "-5", "--steps", "1"], "--workers -5: expected -1 (from the machine's cores) or 0 or more"),
+    (["loader", "--data_root", ".", "--workers_list", "-2"], "--workers_list -2: expected worker counts of 0 to 256"),
+    (["loader", "--data_root", ".", "--workers_list", "4", "4000"], "--workers_list 4000: expected worker counts of 0 to 256"),
+    (["train", "--workers", "-5", "--steps", "1"], "--workers -5: expected -1 (from the machine's cores) or 0 to 256"),
+    (["train", "--workers", "257", "--steps", "1"], "--workers 257: expected -1 (from the machine's cores) or 0 to 256"),
     (["decode", "--data_root", ".", "--repeats", "1"], "--data_root has no use in the decode check, which takes "
                                                        "--pairs, --repeats"),
     (["clip", "--steps", "5"], "--steps has no use in the clip check, which takes --images, --texts, --repeats"),
