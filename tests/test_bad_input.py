@@ -217,6 +217,7 @@ def test_the_folder_of_a_killed_run_is_free_at_once_for_its_resume(tmp_path):
     (["--beta2", "1"], "--beta2 1.0: expected a value in [0, 0.9999]"),  # AdamW's second moment would never move
     (["--seed", "-1"], "--seed -1: expected a value in [0, 4294967295]"),
     (["--workers", "1" + "0" * 20], "--workers 100000000000000000000: expected a value in [-1, 256]"),  # not as many forks
+    (["--epochs", str(2**63)], "--epochs 9223372036854775808: expected a value below 2**63, as torch's sizes and counts"),
     (["--seed", "1" + "0" * 400], "expected a value in [0, 4294967295]"),
     (["--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
     (["--device", "cpu:3"], "--device cpu:3: expected auto, cpu, cuda or cuda:N"),
@@ -415,6 +416,8 @@ def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_
     assert error_of(capsys, caption.main, *stage_2, "--ffn", 10**15).endswith(  # beyond any address space
         "out of memory: can't allocate memory: you tried to allocate 256000000000000000 bytes. Error code 12 (Cannot "
         "allocate memory); a smaller batch or model, or fewer loader workers, needs less")
+    assert error_of(capsys, caption.main, *stage_2, "--ffn", 10**20).endswith(  # not a size torch can hold
+        "--ffn 100000000000000000000: expected a value below 2**63, as torch's sizes and counts are 64-bit")
     assert snapshot(tmp_path) == earlier and [p.name for p in tmp_path.iterdir()] == ["data"]  # no image store
 
 
