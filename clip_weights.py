@@ -291,16 +291,21 @@ def count_blocks(sd, prefix, name="checkpoint", file_prefix=""):
 
 def load_weights(model, sd, name="checkpoint"):
     """Copy `sd` into `model` key by key; any missing, unexpected or mis-shaped key is an error, and so is a
-    weight that is not finite."""
+    weight that is not finite or not a dense real tensor with values."""
     if not isinstance(sd, dict):
         raise InputError(f"{name}: expected a state dict of tensors, got {type(sd).__name__}")
     ours = model.state_dict()
+    def few(keys):  # a foreign file can differ in every one of hundreds of keys
+        return f"{keys[:5]}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+    def holds_values(v, like):  # a meta tensor has a shape only, which a model on the meta device takes
+        return torch.is_tensor(v) and v.layout == torch.strided and not v.is_complex() and v.is_meta <= like.is_meta
+    if odd := sorted(k for k in ours.keys() & sd.keys() if not holds_values(sd[k], ours[k])):
+        raise InputError(f"{name}: expected a dense real tensor with values for every weight, not a sparse, complex or "
+                         f"meta tensor or something else: {few(odd)}")
     missing = sorted(ours.keys() - sd.keys())
     unexpected = sorted(sd.keys() - ours.keys())
     misshaped = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(ours[k].shape)}"
                  for k in ours.keys() & sd.keys() if sd[k].shape != ours[k].shape]
-    def few(keys):  # a foreign file can differ in every one of hundreds of keys
-        return f"{keys[:5]}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
     if missing or unexpected or misshaped:
         raise InputError(f"{name} does not match {type(model).__name__}: missing keys: {few(missing)}; unexpected "
                          f"keys: {few(unexpected)}; mis-shaped keys: {few(sorted(misshaped))}")

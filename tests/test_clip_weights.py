@@ -97,6 +97,16 @@ def test_misshaped_key_is_named(tiny_sd, tmp_path):
         clip_weights.load(save(sd, tmp_path / "ckpt.pt"))
 
 
+@pytest.mark.parametrize("kind", ["sparse", "complex", "meta", "a number"])
+def test_a_weight_without_dense_real_values_is_named(tiny_sd, tmp_path, kind):
+    key = "transformer.resblocks.0.mlp.c_fc.weight"  # a sparse one would not load; a complex one would lose a part
+    w = tiny_sd[key]
+    odd = {"sparse": w.to_sparse(), "complex": w.to(torch.complex64), "meta": w.to("meta"), "a number": 0.5}[kind]
+    with pytest.raises(clip_weights.InputError, match=r"ckpt.pt: expected a dense real tensor with values for every "
+                                                      rf"weight, not a sparse, complex or meta tensor .*: \['{key}'\]$"):
+        clip_weights.load(save(dict(tiny_sd, **{key: odd}), tmp_path / "ckpt.pt"))
+
+
 @pytest.mark.parametrize("dropped, message", [
     ("visual.proj", r"missing keys \['visual.proj'\]"),
     ("transformer.resblocks.", r"no keys start with 'transformer.resblocks.'"),
