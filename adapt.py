@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+import cli
 import clip_weights
 import data
 import evaluate
@@ -141,4 +142,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    train.main(main)
+    cli.main(main)

@@ -300,4 +300,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    train.main(main)  # bad input, a full disk or Ctrl-C: one line
+    cli.main(main)  # bad input, a full disk or Ctrl-C: one line

@@ -17,7 +17,15 @@ import sys
 import threading
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # Windows: runs are not locked against a second run on the same folder
+    fcntl = None
+
 import torch
+import torch.distributed as dist
+
+from model import distributed
 
 
 # ---- Failures told in one line, and Ctrl-C ------------------------------------------------------
@@ -29,7 +37,7 @@ PATH_ERRNOS = (errno.ELOOP, errno.ENAMETOOLONG)
 
 
 class InputError(ValueError):
-    """Bad input from the user (a flag, a file, an id): command lines print it as one line (train.main)."""
+    """Bad input from the user (a flag, a file, an id): command lines print it as one line (main)."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -94,6 +102,39 @@ def end_interrupted(name):
     return 130
 
 
+training_begun = False  # set by train.fit; till then, the processes of a machine read the same flags and files
+
+
+def main(run, argv=None):
+    """Run a command line's `run(argv)`: the failures error_line names end in one line on stderr and exit
+    status 2, as argparse does, Ctrl-C in one line and the signal; any other failure keeps its traceback."""
+    status, name, interrupted = 0, Path(sys.argv[0]).name, False
+    try:
+        run(argv)
+    except ONE_LINE_ERRORS as e:
+        if (message := error_line(e)) is None:
+            raise
+        # Till training begins, bad input is alike in every process of a machine (not memory): its first says it.
+        alike = bad_input(e) and not training_begun
+        if not alike or first_of_machine():
+            print(f"{name}: error: {message}", file=sys.stderr)
+        status = 2
+    except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
+        interrupted = True
+    if interrupted:  # out of the except clause, the run's frames are gone: its loaders have ended their processes
+        status = end_interrupted(name)
+    if distributed():
+        if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
+            dist.barrier()
+            dist.destroy_process_group()
+        # gloo's thread may free the last all-gather's tensors after it returned, which takes the GIL: were the
+        # interpreter shutting down by then, the process would abort (SIGABRT). All is written: leave at once.
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(status)
+    if status:
+        sys.exit(status)
+
+
 # ---- Files: made, written whole, never an earlier run's by accident -----------------------------
 def check_writable(folder, flag):
     """Refuse a folder that cannot be made or written before any work is done; nothing is created."""
@@ -103,6 +144,30 @@ def check_writable(folder, flag):
         raise InputError(f"{flag} {folder}: {existing} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {folder}: {existing} is not writable")
+
+
+def take_lock(lock, out):
+    """Lock the open file `lock` of the run folder `out`, or refuse a second run there. A POSIX lock (lockf), freed
+    when the process dies: a killed run's loader workers would hold a flock for seconds and refuse its --resume."""
+    try:
+        if fcntl:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, as the system says it
+        raise InputError(f"{out} is in use by another run; wait for it, or give another --out_dir") from None
+
+
+def check_outputs(outputs, overwrite):
+    """Refused before any work and creating nothing: replacing a result unless told to, ending a run (a
+    metrics.json beside its last.pt or .lock), a file that cannot be written. outputs: (flag, path or None) pairs."""
+    for flag, path in ((flag, Path(p)) for flag, p in outputs if p and not is_device(p)):  # devices replace nothing
+        if link_target(path).is_dir():  # a loop of links is refused here, not after the work
+            raise InputError(f"{path} is a folder: expected a file to write ({flag})")
+        if path.name == "metrics.json" and not path.exists() and any((path.parent / n).exists() for n in ("last.pt", ".lock")):
+            raise InputError(f"{flag}: {path.parent} holds a run that has not finished, which a metrics.json would mark "
+                             f"as finished (--resume refuses it then); give another {flag}")
+        if path.exists() and not overwrite:
+            raise InputError(f"{path} exists: pass --overwrite to replace it, or another {flag}")
+        check_writable(path.parent, flag)
 
 
 def scratch(path, suffix):
@@ -142,6 +207,15 @@ def running(pid):
     except PermissionError:  # another user's
         return True
     return True
+
+
+def read_text(path, expected):
+    """The text of a file the user named (a byte-order mark is fine); a missing file, a folder or binary data is named."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
+        problem = "no such file" if isinstance(e, FileNotFoundError) else f"not a text file ({e})"
+        raise InputError(f"{path}: {problem}; expected {expected}") from None
 
 
 def write_file(path, content):

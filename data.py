@@ -1,6 +1,6 @@
-"""Data for CLIP4IDC: readers for the three benchmarks in their published layouts, CLIP4IDC's
-preprocessing, and the datasets of both stages, their order and their loaders (captions are tokenized
-by tokenizer.py; with --cache, images are read from image_store.py's file instead).
+"""Data for CLIP4IDC: readers for the three benchmarks in their published layouts and for lists of one's
+own pairs, CLIP4IDC's preprocessing, and the datasets of both stages, their order and their loaders
+(captions are tokenized by tokenizer.py; with --cache, images are read from image_store.py's file instead).
 
 The synthetic CLEVR-Change of the offline default is written by synth.py in CLEVR-Change's layout,
 and read here like the real one.
@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cli import InputError, ctrl_c_kept_here
+from cli import InputError, ctrl_c_kept_here, read_text
 from tokenizer import tokenize
 
 
-# ---- The three benchmarks, read in the layouts their authors publish ----------------------------
+# ---- The three benchmarks in the layouts their authors publish, and lists of one's own pairs ------
 log = logging.getLogger("data")
 SOURCES = {  # name, expected layout, where it is published
     "clevr": ("CLEVR-Change", "images/CLEVR_default_%06d.png, sc_images/CLEVR_semantic_%06d.png, "
@@ -218,6 +218,28 @@ def eval_items(pairs):
         if p.distractor:
             items.append(Pair(p.id + "_n", p.before, p.distractor, p.distractor_captions, "distractor"))
     return items
+
+
+def read_pair_list(path):
+    """The (before, after) image paths of each non-empty line of a text file (evaluate.py --pairs):
+    two paths separated by a tab (paths with spaces) or by spaces."""
+    pairs = []
+    for n, line in enumerate(read_text(path, "two image paths a line").splitlines(), 1):
+        if line.strip():
+            fields = line.strip().split("\t") if "\t" in line else line.split()
+            if len(fields) != 2:
+                raise InputError(f"{path}: line {n}: expected two image paths (before, after), found {len(fields)}")
+            pairs.append(tuple(Path(path).parent / f for f in fields))  # relative paths: from the file's folder
+    if not pairs:
+        raise InputError(f"{path}: no pairs; expected two image paths (before, after) a line")
+    if absent := [q for pair in pairs for q in pair if not q.is_file()]:
+        raise InputError(f"{path}: {len(absent)} images missing, e.g. {absent[0]}: {not_a_file(absent[0])}")
+    for image in dict.fromkeys(q for pair in pairs for q in pair):  # headers only: a file that is no image
+        try:  # stops here, not after minutes of captioning
+            Image.open(image).close()
+        except UNREADABLE as e:
+            raise InputError(f"{path}: {image}: cannot read image ({e})") from None
+    return pairs
 
 
 # ---- Preprocessing as CLIP4IDC does it, and the datasets of the two stages ----------------------

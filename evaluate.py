@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.meteor.meteor import Meteor
@@ -313,18 +312,9 @@ def write_predictions(path, preds):
     cli.write_file(path, json.dumps([{"image_id": k, "caption": c} for k, c in preds.items()], indent=1))
 
 
-def read_text(path, expected):
-    """The text of a file the user named (a byte-order mark is fine); a missing file, a folder or binary data is named."""
-    try:
-        return Path(path).read_text(encoding="utf-8-sig")
-    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
-        problem = "no such file" if isinstance(e, FileNotFoundError) else f"not a text file ({e})"
-        raise InputError(f"{path}: {problem}; expected {expected}") from None
-
-
 def read_predictions(path):
     """{image_id: caption} of a COCO results file; what is not one is named with its first bad entry."""
-    text = read_text(path, "a COCO results json")
+    text = cli.read_text(path, "a COCO results json")
     try:
         results = json.loads(text)
     except (ValueError, RecursionError) as e:  # malformed; or an integer of over 4,300 digits, arrays nested deep
@@ -393,7 +383,7 @@ def score_checkpoint(args, device):
     """A checkpoint over a split: a captioner's metrics (Tables 1-4), a pair encoder's retrieval (Table 7)."""
     model = load_model(args, device)
     written = ["metrics.json"] + [f"{args.split}_predictions.json"] * isinstance(model, Captioner)
-    check_outputs([("--out_dir", Path(args.out_dir) / name) for name in written if args.out_dir], args.overwrite)
+    cli.check_outputs([("--out_dir", Path(args.out_dir) / name) for name in written if args.out_dir], args.overwrite)
     pairs = data.read_split(args.data, args.data_root, args.split)
     if isinstance(model, Captioner):
         train_pairs = data.read_split(args.data, args.data_root, "train", images=False)  # the blind baseline's captions
@@ -419,31 +409,9 @@ def score_predictions(args):
         cli.write_file(args.out, json.dumps({args.split: metrics}, indent=2))
 
 
-def read_pair_list(path):
-    """The (before, after) image paths of each non-empty line of a text file: two paths separated by
-    a tab (paths with spaces) or by spaces."""
-    pairs = []
-    for n, line in enumerate(read_text(path, "two image paths a line").splitlines(), 1):
-        if line.strip():
-            fields = line.strip().split("\t") if "\t" in line else line.split()
-            if len(fields) != 2:
-                raise InputError(f"{path}: line {n}: expected two image paths (before, after), found {len(fields)}")
-            pairs.append(tuple(Path(path).parent / f for f in fields))  # relative paths: from the file's folder
-    if not pairs:
-        raise InputError(f"{path}: no pairs; expected two image paths (before, after) a line")
-    if absent := [q for pair in pairs for q in pair if not q.is_file()]:
-        raise InputError(f"{path}: {len(absent)} images missing, e.g. {absent[0]}: {data.not_a_file(absent[0])}")
-    for image in dict.fromkeys(q for pair in pairs for q in pair):  # headers only: a file that is no image
-        try:  # stops here, not after minutes of captioning
-            Image.open(image).close()
-        except data.UNREADABLE as e:
-            raise InputError(f"{path}: {image}: cannot read image ({e})") from None
-    return pairs
-
-
 def caption_pairs(captioner, args, device):
     """Every pair of --pairs, captioned: one JSON object a line, to --out or the standard output."""
-    pairs = read_pair_list(args.pairs)
+    pairs = data.read_pair_list(args.pairs)
     items = [data.Pair(str(n), before, after, []) for n, (before, after) in enumerate(pairs)]
     preds = predict(captioner, items, device, amp=args.amp, workers=0, progress=True)
     lines = [json.dumps({"before": str(p.before), "after": str(p.after), "caption": preds[p.id]}) for p in items]
@@ -463,20 +431,6 @@ def caption_one_pair(captioner, args, device):
     if args.attention:
         cli.write_file(args.attention, figures.attention_file(captioner, before, after, args.pair, args.attention))
         print(f"wrote {args.attention}")
-
-
-def check_outputs(outputs, overwrite):
-    """Refused before any scoring and creating nothing: replacing a result unless told to, ending a run (a
-    metrics.json beside its last.pt or .lock), a file that cannot be written. outputs: (flag, path or None) pairs."""
-    for flag, path in ((flag, Path(p)) for flag, p in outputs if p and not cli.is_device(p)):  # devices replace nothing
-        if cli.link_target(path).is_dir():  # a loop of links is refused here, not after the scoring
-            raise InputError(f"{path} is a folder: expected a file to write ({flag})")
-        if path.name == "metrics.json" and not path.exists() and any((path.parent / n).exists() for n in ("last.pt", ".lock")):
-            raise InputError(f"{flag}: {path.parent} holds a run that has not finished, which a metrics.json would mark "
-                             f"as finished (--resume refuses it then); give another {flag}")
-        if path.exists() and not overwrite:
-            raise InputError(f"{path} exists: pass --overwrite to replace it, or another {flag}")
-        cli.check_writable(path.parent, flag)
 
 
 def main(argv=None):
@@ -519,7 +473,7 @@ def main(argv=None):
     vars(args).update({k: v for k, v in dict(data="clevr", split="test", device="auto").items() if getattr(args, k) is None})
     if args.attention and not figures.pillow_writes(args.attention):
         parser.error(f"--attention {args.attention}: expected the name of an image file Pillow writes, such as attention.png")
-    check_outputs([("--out", args.out), ("--attention", args.attention)], args.overwrite)
+    cli.check_outputs([("--out", args.out), ("--attention", args.attention)], args.overwrite)
     if absent := [p for p in args.pair or () if not Path(p).is_file()]:
         parser.error(f"--pair: {absent[0]} is not a file; expected the two images, before and after")
     if args.predictions:
@@ -535,4 +489,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    train.main(main)
+    cli.main(main)

@@ -286,6 +286,6 @@ if __name__ == "__main__":
         parser.error(str(e))
     except KeyboardInterrupt:  # write_synth leaves nothing behind
         interrupted = True
-    if interrupted:  # out of the except clause, as in train.main: the pool's frames, and its semaphores, are gone
+    if interrupted:  # out of the except clause, as in cli.main: the pool's frames, and its semaphores, are gone
         sys.exit(end_interrupted("synth.py"))
     print(f"wrote {args.pairs} pairs to {args.out} in {time.perf_counter() - start:.0f} s")

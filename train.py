@@ -28,11 +28,6 @@ from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # Windows: runs are not locked against a second run on the same folder
-    fcntl = None
-
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -56,40 +51,9 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
 RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
                "out_dir", "patience", "clip", "init_from")
 RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")  # what a run writes
-training_begun = False  # till then, the processes of a machine read the same flags and files: bad input is alike
 
 
 # ---- Flags, run folder, processes, device and precision -----------------------------------------
-def main(run, argv=None):
-    """Run a command line's `run(argv)`: the failures cli.error_line names end in one line on stderr and exit
-    status 2, as argparse does, Ctrl-C in one line and the signal; any other failure keeps its traceback."""
-    status, name, interrupted = 0, Path(sys.argv[0]).name, False
-    try:
-        run(argv)
-    except cli.ONE_LINE_ERRORS as e:
-        if (message := cli.error_line(e)) is None:
-            raise
-        # Till training begins, bad input is alike in every process of a machine (not memory): its first says it.
-        alike = cli.bad_input(e) and not training_begun
-        if not alike or cli.first_of_machine():
-            print(f"{name}: error: {message}", file=sys.stderr)
-        status = 2
-    except KeyboardInterrupt:  # a training run continues from its last.pt with --resume
-        interrupted = True
-    if interrupted:  # out of the except clause, the run's frames are gone: its loaders have ended their processes
-        status = cli.end_interrupted(name)
-    if distributed():
-        if status == 0:  # leave together: a process that ends while rank 0 still tests can abort in gloo's teardown
-            dist.barrier()
-            dist.destroy_process_group()
-        # gloo's thread may free the last all-gather's tensors after it returned, which takes the GIL: were the
-        # interpreter shutting down by then, the process would abort (SIGABRT). All is written: leave at once.
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(status)
-    if status:
-        sys.exit(status)
-
-
 def field_help(config_cls):
     """Each field's trailing comment in the dataclass source: its flag's help."""
     lines = inspect.getsource(config_cls).splitlines()
@@ -181,7 +145,7 @@ def check_run_folder(cfg, held=False):
     earlier = [name for name in RUN_FILES if (out / name).exists()]
     if not held and (out / ".lock").is_file() and os.environ.get("RANK", "0") == "0":  # a run trains there
         with open(out / ".lock", "a") as lock:  # closing it lets go (of this process's lock too, were it held)
-            take_lock(lock, out)
+            cli.take_lock(lock, out)
     if cfg.resume and cfg.overwrite:
         raise InputError("--resume continues the run in --out_dir and --overwrite starts it anew: give one")
     if cfg.resume and not (out / "last.pt").is_file():
@@ -218,23 +182,13 @@ def locked(out):
     files, and remove what a killed checkpoint write left (.tmp). Folders it made are removed if the run ends
     before writing anything into them."""
     with cli.new_folders(out), open(out / ".lock", "w") as lock:
-        take_lock(lock, out)
+        cli.take_lock(lock, out)
         for name in ("last.pt", "best.pt"):  # what clip_weights.save_atomic leaves; the user's own *.tmp stay
             (out / f"{name}.tmp").unlink(missing_ok=True)
         try:
             yield
         finally:
             (out / ".lock").unlink(missing_ok=True)
-
-
-def take_lock(lock, out):
-    """A POSIX lock (lockf), freed when the process dies: a killed run's loader workers would hold a flock for
-    seconds and refuse its --resume."""
-    try:
-        if fcntl:
-            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, as the system says it
-        raise InputError(f"{out} is in use by another run; wait for it, or give another --out_dir") from None
 
 
 def setup_device(cfg):
@@ -433,7 +387,6 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     model goes to best.pt, and is rank 0's `model` at the end. Resumable from last.pt with --resume.
     `before` (metrics measured before the first step) is kept in the run's state, which fit returns.
     """
-    global training_begun
     out, device = Path(cfg.out_dir), next(model.parameters()).device
     autocast, scaler = mixed_precision(device, cfg.amp)
     require_batch(cfg.batch_size, len(train_set))
@@ -492,7 +445,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                 check_run_folder(cfg, held=True)
         if cfg.resume:
             state = resume(out / "last.pt", run, saved["model_config"])
-        training_begun = True  # from here a process may fail its own way (on its slice of the data): each says it
+        cli.training_begun = True  # from here a process may fail its own way (on its slice of the data): each says it
         while state["step"] < total and not state["stopped"]:
             epoch, done = divmod(state["step"], steps_per_epoch)
             sampler.set_epoch(epoch, skip=done * cfg.batch_size)

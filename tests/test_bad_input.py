@@ -41,7 +41,7 @@ SMALL = ["--data", "synth", "--epochs", "1", "--max_steps", "2", "--batch_size",
 def error_of(capsys, run, *argv):
     """The one stderr line of the command line `run` given argv, which must end in a refusal."""
     with pytest.raises(SystemExit) as exit:
-        train.main(run, [str(a) for a in argv])
+        cli.main(run, [str(a) for a in argv])
     err = capsys.readouterr().err
     assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
     return err.strip()
@@ -63,7 +63,7 @@ def root(tmp_path_factory):
 def stage_1(root, tmp_path_factory):
     """A finished small stage-1 run."""
     out = tmp_path_factory.mktemp("runs") / "adapt"
-    train.main(adapt.main, SMALL + ["--data_root", str(root), "--out_dir", str(out)])
+    cli.main(adapt.main, SMALL + ["--data_root", str(root), "--out_dir", str(out)])
     return out
 
 
@@ -81,7 +81,7 @@ def unfinished(stage_1, tmp_path_factory):
 def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(root, tmp_path, capsys):
     out = tmp_path / "run"
     flags = SMALL + ["--data_root", root, "--out_dir", out]
-    train.main(adapt.main, [str(f) for f in flags])
+    cli.main(adapt.main, [str(f) for f in flags])
     before = snapshot(out)
     assert sorted(p.name for p in before) == ["best.pt", "last.pt", "metrics.json"]
     error = error_of(capsys, adapt.main, *flags)  # finished: nothing is left to resume, and --resume is not offered
@@ -102,7 +102,7 @@ def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(root, tmp_path, ca
     (tmp_path / "last.pt").rename(out / "last.pt")
     (out / "last.pt.tmp").write_bytes(b"half a checkpoint")  # a write killed in the earlier run
     (out / "notes.tmp").write_text("the user's own")
-    train.main(adapt.main, [str(f) for f in flags + ["--overwrite", "--seed", "7"]])
+    cli.main(adapt.main, [str(f) for f in flags + ["--overwrite", "--seed", "7"]])
     assert sorted(p.name for p in out.iterdir()) == ["best.pt", "last.pt", "metrics.json", "notes.tmp"]
     assert torch.load(out / "last.pt", weights_only=True)["config"]["seed"] == 7
 
@@ -274,11 +274,11 @@ def test_under_torchrun_bad_input_is_said_by_the_first_process_of_each_machine(f
     """Till training begins, the processes of a machine read the same flags and files and fail alike."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(train, "training_begun", False)  # as a process starts
+    monkeypatch.setattr(cli, "training_begun", False)  # as a process starts
     for local_rank, lines in (("0", 1), ("1", 0)):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         with pytest.raises(SystemExit) as exit:
-            train.main(adapt.main, [flag])
+            cli.main(adapt.main, [flag])
         err = capsys.readouterr().err
         assert exit.value.code == 2 and len(err.splitlines()) == err.count(f": error: {error}") == lines
     assert os.listdir(tmp_path) == []
@@ -289,11 +289,11 @@ def test_under_torchrun_a_damaged_last_pt_is_said_by_the_first_process_of_each_m
     out = tmp_path / "run"
     shutil.copytree(unfinished, out)
     torch.save(edited_model(out / "last.pt", lambda m: m["pair_pos"].fill_(math.nan)), out / "last.pt")
-    monkeypatch.setattr(train, "training_begun", False)  # as a process starts
+    monkeypatch.setattr(cli, "training_begun", False)  # as a process starts
     for local_rank, lines in (("0", 1), ("1", 0)):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         with pytest.raises(SystemExit):
-            train.main(adapt.main, [str(a) for a in [*SMALL, "--data_root", root, "--out_dir", out, "--resume"]])
+            cli.main(adapt.main, [str(a) for a in [*SMALL, "--data_root", root, "--out_dir", out, "--resume"]])
         assert capsys.readouterr().err.count("its weights are not all finite") == lines
 
 
@@ -302,9 +302,9 @@ def test_under_torchrun_memory_that_runs_out_is_said_by_every_process(capsys, mo
     def builds(argv):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(train, "training_begun", False)
+    monkeypatch.setattr(cli, "training_begun", False)
     with pytest.raises(SystemExit):
-        train.main(builds, [])
+        cli.main(builds, [])
     assert ": error: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB; " in capsys.readouterr().err
 
 
@@ -396,7 +396,7 @@ def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
 def test_bench_py_refuses_bad_flags_in_one_line(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
     with pytest.raises(SystemExit) as exit:
-        train.main(bench.main)
+        cli.main(bench.main)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.startswith("bench.py: error: ") and message in err and err.count("\n") == 1
 
@@ -432,7 +432,7 @@ def test_a_flag_the_run_would_not_read_is_refused(root, stage_1, tmp_path, capsy
             f"--{flag} {value}: the pair encoder in {best} has {flag} {held}; expected that or no flag (an authors' "
             "file is split by --n_intra)")
     assert not (tmp_path / "run").exists()
-    train.main(caption.main, [str(a) for a in (*SMALL, *at, "--init_from", best, "--n_intra", 2, "--n_inter", 2)])
+    cli.main(caption.main, [str(a) for a in (*SMALL, *at, "--init_from", best, "--n_intra", 2, "--n_inter", 2)])
     assert (tmp_path / "run" / "metrics.json").is_file()
 
 
@@ -481,7 +481,7 @@ def test_memory_that_runs_out_is_one_line_and_other_runtime_errors_keep_their_tr
     def bug(argv):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     with pytest.raises(RuntimeError, match="mat1 and mat2"):
-        train.main(bug, [])
+        cli.main(bug, [])
 
 
 def test_a_failed_download_is_one_line(root, tmp_path, capsys, monkeypatch):
@@ -609,7 +609,7 @@ def test_a_stage_2_run_resumes_without_its_stage_1_file_and_split_flags_that_rep
         f"--n_intra 3: the pair encoder in {out / 'last.pt'} has n_intra 2; expected that or no flag (an authors' "
         "file is split by --n_intra)")
     assert snapshot(out) == before
-    train.main(caption.main, flags + ["--resume", "--init_from", f"{init.parent}/./best.pt", "--n_intra", "2",
+    cli.main(caption.main, flags + ["--resume", "--init_from", f"{init.parent}/./best.pt", "--n_intra", "2",
                                       "--n_inter", "2"])  # the split it started with, now named
     last = torch.load(out / "last.pt", weights_only=True)
     assert last["state"]["step"] == 4 and last["config"]["init_from"] == str(init)  # where it started, on record
@@ -648,7 +648,7 @@ def test_resume_into_a_model_of_another_shape_is_refused(root, stage_1, tmp_path
 def test_resume_with_other_words_to_write_counts_them(root, stage_1, tmp_path, capsys):
     out = tmp_path / "run"
     flags = [*SMALL, "--data_root", root, "--init_from", stage_1 / "best.pt", "--out_dir", out]
-    train.main(caption.main, [str(f) for f in flags])
+    cli.main(caption.main, [str(f) for f in flags])
     (out / "metrics.json").unlink()  # as if killed while it scored the test split
     last = torch.load(out / "last.pt", weights_only=True)
     words = last["model_config"]["captioner"]["vocab"]
@@ -694,7 +694,7 @@ def test_ctrl_c_is_one_line_ends_by_the_signal_and_a_resume_continues_the_run(ro
     status, err = interrupt(["adapt.py", *flags], ready=lambda _: (out / "last.pt").exists())
     assert status == -signal.SIGINT and err.endswith("adapt.py: interrupted\n") and "Traceback" not in err, err
     step = torch.load(out / "last.pt", weights_only=True)["state"]["step"]
-    train.main(adapt.main, [str(f) for f in flags + ["--resume"]])
+    cli.main(adapt.main, [str(f) for f in flags + ["--resume"]])
     assert 1 <= step < torch.load(out / "last.pt", weights_only=True)["state"]["step"]
     assert json.loads((out / "metrics.json").read_text())["test"]
 
@@ -802,10 +802,10 @@ def test_ctrl_c_while_spawned_processes_import_is_one_line_and_ends_them(tmp_pat
 def test_a_resumed_run_keeps_every_figure(root, tmp_path):
     out = tmp_path / "resumed"
     flags = [str(f) for f in SMALL + ["--data_root", root, "--out_dir", out]]
-    train.main(adapt.main, flags)
+    cli.main(adapt.main, flags)
     step0 = json.loads((out / "metrics.json").read_text())["test_step0"]
     (out / "metrics.json").unlink()
-    train.main(adapt.main, flags + ["--resume", "--log_every", "5", "--workers", "1"])  # logging, loading may change
+    cli.main(adapt.main, flags + ["--resume", "--log_every", "5", "--workers", "1"])  # logging, loading may change
     assert json.loads((out / "metrics.json").read_text())["test_step0"] == step0
 
 
@@ -896,7 +896,7 @@ def test_bench_py_times_the_loader_on_a_batch_after_the_first(root, capsys):
 
 def test_bench_py_train_refuses_a_dataset_it_cannot_read_before_timing_anything(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
-        train.main(bench.main, ["train", "--preset", "small", "--amp", "off", "--modes", "eager", "--batch", "1",
+        cli.main(bench.main, ["train", "--preset", "small", "--amp", "off", "--modes", "eager", "--batch", "1",
                                 "--steps", "1", "--data_root", str(tmp_path)])
     out, err = capsys.readouterr()
     assert exit.value.code == 2 and out == ""  # not a step timed, which on a GPU takes minutes
@@ -938,7 +938,7 @@ def test_a_scorer_that_fails_after_training_says_how_to_finish_the_run(root, sta
     out = tmp_path / "run"
     flags = [*SMALL, "--data_root", root, "--out_dir", out, "--init_from", stage_1 / "best.pt", "--layers", 1, "--ffn", 32]
     with pytest.raises(SystemExit):  # after the test split's progress line on stderr, the one error line
-        train.main(caption.main, [str(a) for a in flags])
+        cli.main(caption.main, [str(a) for a in flags])
     assert capsys.readouterr().err.endswith(
         f"error: [Errno 32] Broken pipe; the trained model is in {out}/best.pt: once mended, run the same command "
         "with --resume, which trains no further and scores it\n")
@@ -987,7 +987,7 @@ def test_memory_that_runs_out_while_reading_a_checkpoint_is_said_as_memory_not_a
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
                            "you tried to allocate 200000000 bytes. Error code 12 (Cannot allocate memory)")
     monkeypatch.setattr(torch, "load", short_of_memory)
-    monkeypatch.setattr(train, "training_begun", False)
+    monkeypatch.setattr(cli, "training_begun", False)
     for local_rank in ("0", "1"):  # under torchrun every process says it: one may be short of memory, another not
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         assert error_of(capsys, evaluate.main, "--ckpt", tmp_path / "best.pt", "--pair", tmp_path / "best.pt",
@@ -1154,13 +1154,13 @@ def test_a_path_that_names_no_usable_file_is_one_line_said_alike_by_every_proces
 def test_a_list_of_pairs_names_its_bad_line(tmp_path):
     (tmp_path / "pairs.txt").write_text("a.png b.png\nonly_one.png\n")
     with pytest.raises(InputError, match=r"pairs.txt: line 2: expected two image paths \(before, after\), found 1"):
-        evaluate.read_pair_list(tmp_path / "pairs.txt")
+        data.read_pair_list(tmp_path / "pairs.txt")
     (tmp_path / "pairs.txt").write_text("a.png\tb c.png\n")  # a tab: paths may hold spaces
     with pytest.raises(InputError, match=r"pairs.txt: 2 images missing, e.g. .*a.png: not found$"):
-        evaluate.read_pair_list(tmp_path / "pairs.txt")
+        data.read_pair_list(tmp_path / "pairs.txt")
     (tmp_path / "a.png").mkdir()  # a folder where an image belongs is named so, not as absent
     with pytest.raises(InputError, match=r"pairs.txt: 2 images missing, e.g. .*a.png: not a file$"):
-        evaluate.read_pair_list(tmp_path / "pairs.txt")
+        data.read_pair_list(tmp_path / "pairs.txt")
 
 
 @pytest.mark.parametrize("run, argv, flag", [

@@ -7,11 +7,11 @@ import pytest
 import torch
 from PIL import Image
 
+import cli
 import clip_weights
 import data
 import evaluate
 import figures
-import train
 from evaluate import ids_to_text
 from model import Captioner, CaptionerConfig
 from tiny import tiny_pair_encoder
@@ -141,7 +141,7 @@ def test_examples_are_the_first_of_each_change_type_in_table_2s_order_or_else_th
 def cli_error(capsys, *argv):
     """The one-line error that `python evaluate.py ARGV` ends with (exit status 2, no traceback)."""
     with pytest.raises(SystemExit) as exit:
-        train.main(evaluate.main, [str(a) for a in argv])
+        cli.main(evaluate.main, [str(a) for a in argv])
     err = capsys.readouterr().err
     assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
     return err.strip()
@@ -186,7 +186,7 @@ def test_an_image_found_unreadable_while_captioning_comes_after_the_progress_lin
     lines = [f"{before.name} {after.name}"] * evaluate.EVAL_BATCH + [f"{before.name} cut.png"]
     (tmp_path / "pairs.txt").write_text("\n".join(lines))
     with pytest.raises(SystemExit):
-        train.main(evaluate.main, ["--ckpt", str(tmp_path / "best.pt"), "--pairs", str(tmp_path / "pairs.txt")])
+        cli.main(evaluate.main, ["--ckpt", str(tmp_path / "best.pt"), "--pairs", str(tmp_path / "pairs.txt")])
     progress, error, end = capsys.readouterr().err.split("\n")
     assert progress.startswith("\rcaptioned 64/65 pairs, eta ") and end == ""
     assert error.split(": error: ")[1].startswith(f"{tmp_path / 'cut.png'}: cannot read image")

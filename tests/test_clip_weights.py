@@ -259,7 +259,7 @@ def test_a_chunked_download_cut_off_is_a_connection_error(tmp_path, monkeypatch,
     with socket.create_server(("127.0.0.1", 0)) as server:
         threading.Thread(target=serve, args=(server,), daemon=True).start()
         url = f"http://127.0.0.1:{server.getsockname()[1]}/{'0' * 64}/ViT-B-32.pt"
-        with pytest.raises(ConnectionError, match=r"^cannot download .*IncompleteRead.*No network\?"):  # one line (train.main)
+        with pytest.raises(ConnectionError, match=r"^cannot download .*IncompleteRead.*No network\?"):  # one line (cli.main)
             clip_weights.download(url, tmp_path / "cache")
     assert not (tmp_path / "cache").exists()
 
@@ -277,7 +277,7 @@ def test_corrupt_cached_file_is_downloaded_again(server, tmp_path):
 def test_hash_mismatch_leaves_nothing_cached(server, tmp_path):
     url = publish(server, b"not what the URL promises", sha="0" * 64)
     cache = tmp_path / "cache"
-    with pytest.raises(ConnectionError, match="SHA-256 .*expected 0{64}; nothing was cached"):  # one line (train.main)
+    with pytest.raises(ConnectionError, match="SHA-256 .*expected 0{64}; nothing was cached"):  # one line (cli.main)
         clip_weights.download(url, cache)
     assert not cache.exists()  # nor the folder made for it
 

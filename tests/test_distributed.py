@@ -123,6 +123,7 @@ def test_a_killed_two_process_run_resumes(runs):
 
 DROPOUT = """
 import sys, torch
+import cli
 import train
 from adapt import AdaptConfig
 from test_training_loop import ToyPairs
@@ -145,7 +146,7 @@ def run(argv):
         print("masks", "equal" if torch.equal(first, second) else "differ")
 
 model.forward = dropping
-train.main(run)  # ends as the stage files do: every process leaves the process group together
+cli.main(run)  # ends as the stage files do: every process leaves the process group together
 """
 
 

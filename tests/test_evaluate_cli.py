@@ -14,10 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
+import cli
 import clip_weights
 import data
 import evaluate
-import train
 from model import Captioner
 from test_caption_own_pair import save_checkpoint, tiny_captioner, write_pair
 
@@ -171,7 +171,7 @@ def error_of(capsys, *argv):
     """The one stderr line, less its "prog: error: " head, of `python evaluate.py argv`, which must be
     refused before anything is scored or printed."""
     with pytest.raises(SystemExit) as exit:
-        train.main(evaluate.main, [str(a) for a in argv])
+        cli.main(evaluate.main, [str(a) for a in argv])
     out, err = capsys.readouterr()
     assert exit.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
     return err.strip().split(": error: ", 1)[1]
@@ -291,7 +291,7 @@ def test_layer_split_and_heads_that_our_checkpoint_contradicts_are_refused(root,
     assert error_of(capsys, "--ckpt", tmp_path / "stage1.pt", *clevr, "--heads", 4) == (
         f"--heads 4: {tmp_path / 'stage1.pt'} holds a stage-1 pair encoder, which has no captioner heads")
     assert not (tmp_path / "run").exists()
-    train.main(evaluate.main, [str(a) for a in ["--ckpt", ckpt, *pair, "--n_intra", 2, "--heads", 4]])
+    cli.main(evaluate.main, [str(a) for a in ["--ckpt", ckpt, *pair, "--n_intra", 2, "--heads", 4]])
     assert capsys.readouterr().out.strip()  # the values the file holds are welcome
 
 
@@ -393,7 +393,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_cut_file(flag, root, ckpt, preds,
         with monkeypatch.context() as patch, pytest.raises(SystemExit) as exit:
             if target == out:
                 patch.setattr(Path, "write_bytes", fills_up)
-            train.main(evaluate.main, [str(a) for a in [*argv, flag, target, "--overwrite"]])
+            cli.main(evaluate.main, [str(a) for a in [*argv, flag, target, "--overwrite"]])
         err = capsys.readouterr().err.splitlines()
         assert exit.value.code == 2 and len(err) == 1 and err[0].endswith(
             f": error: {target}: cannot write it (No space left on device)")

@@ -142,7 +142,7 @@ def test_a_full_or_read_only_disk_is_one_line_and_other_failures_keep_their_trac
     def run(argv):
         raise error
     with pytest.raises(SystemExit if one_line else OSError) as raised:
-        train.main(run, [])
+        cli.main(run, [])
     if one_line:
         assert raised.value.code == 2 and capsys.readouterr().err.endswith(f": error: {error}\n")
 
@@ -216,13 +216,13 @@ def test_a_diverged_loss_stops_the_run_at_the_next_progress_line(tmp_path):
 def test_once_training_has_begun_every_process_says_its_own_error(tmp_path, capsys, monkeypatch):
     """Under torchrun a process may then fail on its own slice of the data: the second of a machine speaks too."""
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(train, "training_begun", False)  # as a process starts
+    monkeypatch.setattr(cli, "training_begun", False)  # as a process starts
     torch.manual_seed(0)
     model = tiny_pair_encoder()
     forward = model.forward
     model.forward = lambda *batch: forward(*batch) * float("nan")
     with pytest.raises(SystemExit):
-        train.main(lambda argv: fit(config(tmp_path, log_every=3), model, ToyPairs(), lambda: (0.0, {}),
+        cli.main(lambda argv: fit(config(tmp_path, log_every=3), model, ToyPairs(), lambda: (0.0, {}),
                                     model.new_parameter_names(), "cosine"))
     assert capsys.readouterr().err.endswith(": error: step 3: the loss is nan, training diverged: lower --lr or --lr_clip\n")
 
