@@ -85,7 +85,8 @@ def bad_input(e):
 
 def out_of_memory(e):
     return (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or getattr(e, "errno", None) == errno.ENOMEM
-            or "can't allocate memory" in str(e))  # torch's CPU allocator; ENOMEM: a loader process not started
+            or "can't allocate memory" in str(e)  # torch's CPU allocator; ENOMEM: a loader process not started
+            or str(e).startswith("Storage size calculation overflowed"))  # more bytes than 64 bits count
 
 
 def end_interrupted(name):

@@ -379,6 +379,10 @@ def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
     (["train", "--batch", "0"], "--batch 0: expected a finite value above 0"),
     (["clip", "--repeats", "0"], "--repeats 0: expected a finite value above 0"),
     (["train", "--fit_steps", "0"], "--fit_steps 0: expected a finite value above 0"),
+    (["decode", "--pairs", str(2**63 - 1), "--repeats", "1"], "out of memory: Storage size calculation overflowed with "
+                                                             f"sizes=[{2**63 - 1}, 100, 512]"),
+    (["decode", "--pairs", str(2**63)], f"--pairs {2**63}: expected a value below 2**63, as torch's sizes and counts"),
+    (["clip", "--images", str(10**20)], f"--images {10**20}: expected a value below 2**63, as torch's sizes and counts"),
     (["train", "--modes", "eagr"], "argument --modes: invalid choice: 'eagr'"),
     (["train", "--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
     (["loader", "--data_root", ".", "--workers_list", "-2"], "--workers_list -2: expected worker counts of 0 to 256"),
@@ -416,6 +420,9 @@ def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_
     assert error_of(capsys, caption.main, *stage_2, "--ffn", 10**15).endswith(  # beyond any address space
         "out of memory: can't allocate memory: you tried to allocate 256000000000000000 bytes. Error code 12 (Cannot "
         "allocate memory); a smaller batch or model, or fewer loader workers, needs less")
+    assert error_of(capsys, caption.main, *stage_2, "--ffn", 2**62).endswith(  # more bytes than 64 bits count
+        f"out of memory: Storage size calculation overflowed with sizes=[{2**62}, 64]; a smaller batch or model, or "
+        "fewer loader workers, needs less")
     assert error_of(capsys, caption.main, *stage_2, "--ffn", 10**20).endswith(  # not a size torch can hold
         "--ffn 100000000000000000000: expected a value below 2**63, as torch's sizes and counts are 64-bit")
     assert snapshot(tmp_path) == earlier and [p.name for p in tmp_path.iterdir()] == ["data"]  # no image store
