@@ -275,8 +275,7 @@ def main(argv=None):
     for name in ("images", "texts", "repeats", "pairs", "batch", "steps", "fit_steps", "seconds", "peak_tflops"):
         if (value := getattr(args, name)) is not None and not 0 < value < math.inf:
             parser.error(f"--{name} {value}: expected a finite value above 0")
-        if isinstance(value, int) and value >= 2**63:  # else a size torch cannot take fails deep inside it
-            parser.error(f"--{name} {value}: expected a value below 2**63, as torch's sizes and counts are 64-bit")
+        parser.require_64_bit(name, value)
     if not -1 <= args.workers <= data.MAX_WORKERS:
         parser.error(f"--workers {args.workers}: expected -1 (from the machine's cores) or 0 to {data.MAX_WORKERS}")
     if bad := [n for n in args.workers_list if not 0 <= n <= data.MAX_WORKERS]:

@@ -47,6 +47,11 @@ class ArgumentParser(argparse.ArgumentParser):
         # Under torchrun every process reads the same flags: the first of each machine says what is wrong.
         self.exit(2, f"{self.prog}: error: {message}\n" if first_of_machine() else None)
 
+    def require_64_bit(self, flag, value):
+        """An integer flag beyond torch's 64-bit sizes and counts would fail deep inside torch: refused here."""
+        if isinstance(value, int) and value >= 2**63:
+            self.error(f"--{flag} {value}: expected a value below 2**63, as torch's sizes and counts are 64-bit")
+
     def parse_args(self, args=None, namespace=None):
         """An empty value (`--data_root "$DATA"`, the variable unset) is refused, not read as the default."""
         parsed = super().parse_args(args, namespace)

@@ -93,8 +93,7 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors
         if value is not None and not (low <= value and (high is None or value <= high) and finite):
             kind = "value" if finite else "finite value"
             parser.error(f"--{name} {value}: expected a {kind} {f'in [{low}, {high}]' if high else f'>= {low}'}")
-        if isinstance(value, int) and value >= 2**63:  # else a size torch cannot take fails deep inside it
-            parser.error(f"--{name} {value}: expected a value below 2**63, as torch's sizes and counts are 64-bit")
+        parser.require_64_bit(name, value)
     if cfg.lr == cfg.lr_clip == 0:  # a rate of 0 freezes (make_optimizer)
         parser.error("--lr 0 and --lr_clip 0: nothing would train; expected a rate above 0 for one of them")
     cfg.data_root = cfg.data_root or f"data/{cfg.data}"
