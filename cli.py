@@ -31,8 +31,9 @@ from model import distributed
 # ---- Failures told in one line, and Ctrl-C ------------------------------------------------------
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a full or read-only disk: one line too, not a traceback
 # A path that names no file to read or write: nothing there, a folder, a file on the way, a loop of links, a name too
-# long. By class where Python has one: a loader process's failure comes back with its class but without its errno.
-PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+# long, one already there that was to be made. By class where Python has one: a loader process's failure comes back
+# with its class but without its errno.
+PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError)
 PATH_ERRNOS = (errno.ELOOP, errno.ENAMETOOLONG)
 
 

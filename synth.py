@@ -12,14 +12,14 @@ import json
 import logging
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from cli import DISK_ERRNOS, ArgumentParser, InputError, check_writable, end_interrupted, new_folders, scratch, worker_pool
+import cli
+from cli import DISK_ERRNOS, ArgumentParser, InputError, check_writable, new_folders, scratch, worker_pool
 from data import cores, read_json
 
 log = logging.getLogger("synth")
@@ -268,24 +268,17 @@ def ensure_synth(root, pairs=PAIRS, seed=0):
     return root
 
 
-if __name__ == "__main__":
+def main(argv=None):
     parser = ArgumentParser(description="Write the synthetic CLEVR-Change.")
     parser.add_argument("--out", required=True, help="the folder to create")
     parser.add_argument("--pairs", type=int, default=PAIRS)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    start, interrupted = time.perf_counter(), False
-    try:
-        check_writable(args.out, "--out")
-        write_synth(args.out, args.pairs, args.seed)
-    except (InputError, FileExistsError) as e:
-        parser.error(str(e))
-    except OSError as e:  # write_synth leaves nothing behind
-        if e.errno not in DISK_ERRNOS:  # a failure other than a full or read-only disk keeps its traceback
-            raise
-        parser.error(str(e))
-    except KeyboardInterrupt:  # write_synth leaves nothing behind
-        interrupted = True
-    if interrupted:  # out of the except clause, as in cli.main: the pool's frames, and its semaphores, are gone
-        sys.exit(end_interrupted("synth.py"))
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    check_writable(args.out, "--out")
+    write_synth(args.out, args.pairs, args.seed)  # a failure, Ctrl-C too, leaves nothing behind
     print(f"wrote {args.pairs} pairs to {args.out} in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    cli.main(main)  # bad input, a full or read-only disk or Ctrl-C: one line
