@@ -2,6 +2,7 @@
 
     python bench.py clip                      # our CLIP against OpenAI's model.py (fp32, CPU threads)
     python bench.py decode                    # greedy decoding with and without the key/value cache
+    python bench.py decode --beams 1 3 5      # ... and the time a pair by beam width (1: greedy)
     python bench.py train --stage 1           # a training step at full ViT-B/32 size: pairs/s, FLOPs, MFU
     python bench.py train --stage 2 --data_root data/synth --fit_steps 300   # ... and the whole loop on real data
     python bench.py loader --data_root data/synth   # loader pairs/s by workers, from PNG files and the ImageStore
@@ -10,7 +11,8 @@ clip: the median time of encode_image and encode_text for our CLIP and OpenAI's,
 ViT-B/32 weights, inputs and threads, and the ratio reference / ours (above 1: ours is faster),
 timed alternately so that load from other processes slows both alike (needs requirements-dev.txt).
 decode: 64 pairs, 32 steps, the full-size captioner (3 + 3 layers, width 512); whether the two
-give identical captions.
+give identical captions; with --beams, also the time a pair of beam search by width (on random weights,
+every width runs all 32 steps).
 train: the step of adapt.py (stage 1, batch 128) or caption.py (stage 2, 16 change + 16 distractor
 pairs) on random data already on the device, eager and compiled, fp32 and bf16; FLOPs per step
 counted by torch.utils.flop_counter (matrix products and attention, forward and backward); on CUDA
@@ -103,6 +105,10 @@ def bench_decode(args):
     print(f"greedy decoding, {args.pairs} pairs, {cached.shape[1] - 1} steps: cached {1e3 * t_cache:.1f} ms   "
           f"recomputed {1e3 * t_full:.1f} ms   speed-up {t_full / t_cache:.2f}   "
           f"identical captions: {torch.equal(cached, recomputed)}")
+    for beam in args.beams or ():
+        search = functools.partial(captioner.beam_search, beam=beam) if beam > 1 else captioner.greedy
+        t = statistics.median(seconds(search, memories) for _ in range(args.repeats))
+        print(f"beam {beam}: {1e3 * t / args.pairs:.2f} ms a pair")
 
 
 # ---- train, loader ------------------------------------------------------------------------------
@@ -256,6 +262,7 @@ def main(argv=None):
     parser.add_argument("--texts", type=int, default=8, help="clip: texts per encode_text call")
     parser.add_argument("--repeats", type=int, default=5, help="clip, decode: timed repeats (median)")
     parser.add_argument("--pairs", type=int, default=64, help="decode: batch (64 in evaluation)")
+    parser.add_argument("--beams", type=int, nargs="+", help="decode: also time beam search of these widths (1: greedy)")
     parser.add_argument("--stage", type=int, choices=(1, 2), default=1)
     parser.add_argument("--preset", choices=("vit-b/32", "small"), default="vit-b/32")
     parser.add_argument("--batch", type=int, help="train, loader: batch (default: the stage's, 128 or 16)")
@@ -280,10 +287,12 @@ def main(argv=None):
         parser.error(f"--workers {args.workers}: expected -1 (from the machine's cores) or 0 to {data.MAX_WORKERS}")
     if bad := [n for n in args.workers_list if not 0 <= n <= data.MAX_WORKERS]:
         parser.error(f"--workers_list {bad[0]}: expected worker counts of 0 to {data.MAX_WORKERS}")
+    if bad := [n for n in args.beams or () if n < 1]:
+        parser.error(f"--beams {bad[0]}: expected beam widths of 1 or more")
     if args.what == "loader" and not args.data_root:
         parser.error("loader times a dataset's loading: give its folder as --data_root")
     fit = ("data", "fit_steps", "workers")  # train reads them only to time train.fit on --data_root
-    uses = {"clip": ("images", "texts", "repeats"), "decode": ("pairs", "repeats"),
+    uses = {"clip": ("images", "texts", "repeats"), "decode": ("pairs", "repeats", "beams"),
             "train": ("stage", "preset", "batch", "device", "amp", "modes", "steps", "peak_tflops", "data_root",
                       *(fit if args.data_root else ())),
             "loader": ("stage", "preset", "batch", "data", "data_root", "workers_list", "seconds")}[args.what]

@@ -9,7 +9,8 @@ The pair encoder comes from stage 1 (--init_from, default out/adapt-<data>/best.
 encoder-decoder learns the captions with word-level cross-entropy. With --init_from openai the new
 pair parameters (e1, e2, pair position embedding) start random and move at --lr_clip only, as in
 the authors' code. The best epoch on val CIDEr is scored once on test, next to a blind baseline
-that writes the most frequent training caption. Several GPUs through torchrun (see train.py).
+that writes the most frequent training caption; the test captions are greedy, or with --beam by beam
+search. Several GPUs through torchrun (see train.py).
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,8 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     attn_dropout: float = 0.1  # the captioner's dropout on attention weights
     max_len: int = 33  # caption tokens, SOT and EOT included, in training and decoding: 32 steps after SOT
     vocab: Literal["clip", "train"] = "clip"  # the words the captioner may write: all of CLIP's, or its training captions'
+    beam: int = 1  # the test captions' beam width (1: greedy); validation, which picks the best epoch, stays greedy
+    length_penalty: float = 1.0  # with --beam above 1: a caption scores its sum of log probabilities / length ** this
     epochs: int = 50  # at most: early stopping may end sooner
     batch_size: int = 16  # the global batch of pairs, over all processes
     lr: float = 1e-4  # the captioning model, with the word embeddings it shares with CLIP
@@ -144,6 +147,9 @@ def train_words(tokens):
 
 def main(argv=None):
     cfg, device = train.start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv, __doc__, AUTHORS_DEFAULTS)
+    if cfg.beam == 1 and cfg.length_penalty != CaptionConfig.length_penalty:
+        raise InputError(f"--length_penalty {cfg.length_penalty}: read only with --beam above 1 (greedy decoding "
+                         "weighs no lengths)")
     captioner = build_captioner(cfg, device)  # before the data: flags it cannot take leave nothing on disk
     evaluate.require_java()  # validation scores with it: refuse now, not after the first epoch
     encoder = captioner.encoder.config  # its split is printed below: the config line shows the flags as given
@@ -171,7 +177,7 @@ def main(argv=None):
     # Java's METEOR gone, memory short): best.pt is kept, and the error says how to finish the run.
     try:
         preds, results = evaluate.score_captions(captioner, test_items, splits["train"], "test", device, store,
-                                                 cfg.amp, cfg.workers)
+                                                 cfg.amp, cfg.workers, cfg.beam, cfg.length_penalty)
     except cli.ONE_LINE_ERRORS as e:
         if (message := cli.error_line(e)) is None:  # any other failure keeps its traceback
             raise

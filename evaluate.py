@@ -1,10 +1,11 @@
-"""Evaluation for CLIP4IDC: IP-T / T-IP retrieval (stage 1) and greedy captions (stage 2) over a
-split, their metrics with the per-type CIDEr breakdown of CLEVR-Change, and a command line that
+"""Evaluation for CLIP4IDC: IP-T / T-IP retrieval (stage 1) and captions (stage 2, greedy or by beam search) over
+a split, their metrics with the per-type CIDEr breakdown of CLEVR-Change, and a command line that
 scores a predictions file or a checkpoint, or captions one's own image pairs (any sizes, any
 format Pillow reads).
 
     python evaluate.py --predictions out/preds.json --data clevr --data_root data/clevr_change --out m.json
     python evaluate.py --ckpt out/caption-clevr/best.pt --data clevr --data_root data/clevr_change --split test
+    python evaluate.py --ckpt out/caption-clevr/best.pt --data clevr --data_root data/clevr_change --beam 3
     python evaluate.py --ckpt out/caption-synth/best.pt --pair before.png after.jpg --attention att.png
     python evaluate.py --ckpt out/caption-synth/best.pt --pairs pairs.txt --out captions.jsonl
 
@@ -16,6 +17,7 @@ pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR 
 """
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -139,7 +141,7 @@ def format_retrieval(metrics):
     return "\n".join(rows)
 
 
-# ---- Captioning: greedy captions, BLEU, METEOR, ROUGE-L, CIDEr-D (Tables 1, 3, 4), CIDEr by type (Table 2)
+# ---- Captioning: captions, BLEU, METEOR, ROUGE-L, CIDEr-D (Tables 1, 3, 4), CIDEr by type (Table 2)
 def ids_to_text(ids):
     """Caption text of each generated row: the tokens between SOT and EOT."""
     bpe, rows = get_tokenizer(), [row[1:] for row in ids.tolist()]
@@ -147,8 +149,9 @@ def ids_to_text(ids):
 
 
 @torch.no_grad()
-def predict(captioner, items, device, store=None, amp="auto", workers=-1, progress=False):
-    """Greedy captions for every evaluation item: {item id: caption}; under the training's autocast."""
+def predict(captioner, items, device, store=None, amp="auto", workers=-1, progress=False, beam=1, length_penalty=1.0):
+    """Captions for every evaluation item, greedy (beam 1) or by beam search: {item id: caption}; under the
+    training's autocast."""
     captioner.eval()
     autocast, _ = train.mixed_precision(device, amp)
     size = captioner.encoder.config.clip.image_size
@@ -156,7 +159,7 @@ def predict(captioner, items, device, store=None, amp="auto", workers=-1, progre
     try:
         for index, before, after in data.make_loader(data.EvalDataset(items, size, store), EVAL_BATCH, device, workers):
             with autocast:
-                ids = captioner.generate(before.to(device), after.to(device))
+                ids = captioner.generate(before.to(device), after.to(device), beam=beam, length_penalty=length_penalty)
             preds.update((items[i].id, text) for i, text in zip(index.tolist(), ids_to_text(ids)))
             if progress:
                 eta = cli.format_eta((len(items) - len(preds)) * (time.time() - start) / len(preds))
@@ -339,13 +342,18 @@ def blind_baseline(train_pairs, items):
     return {item.id: caption for item in items}
 
 
-def score_captions(captioner, items, train_pairs, split, device, store=None, amp="auto", workers=-1):
-    """Greedy captions of a split's items and their metrics, beside a blind baseline's; printed as in
-    Tables 1 and 2. The end of caption.py, and `evaluate.py --ckpt --data_root`."""
-    preds = predict(captioner, items, device, store, amp, workers, progress=True)
+def score_captions(captioner, items, train_pairs, split, device, store=None, amp="auto", workers=-1, beam=1,
+                   length_penalty=1.0):
+    """Captions of a split's items (see predict) and their metrics, beside a blind baseline's; printed as in
+    Tables 1 and 2, and recorded with how they were decoded. The end of caption.py, and `evaluate.py --ckpt
+    --data_root`."""
+    preds = predict(captioner, items, device, store, amp, workers, progress=True, beam=beam,
+                    length_penalty=length_penalty)
     results = {split: score_items(items, preds),
-               "blind_baseline": {split: score_items(items, blind_baseline(train_pairs, items))}}
-    print(f"{split} split, this model:\n{format_table(results[split])}")
+               "blind_baseline": {split: score_items(items, blind_baseline(train_pairs, items))},
+               "decoding": {"beam": beam, "length_penalty": length_penalty}}
+    decoding = "greedy" if beam == 1 else f"beam search, beam {beam}, length penalty {length_penalty:g}"
+    print(f"{split} split, this model ({decoding}):\n{format_table(results[split])}")
     print(f"{split} split, blind baseline (most frequent training caption for every pair):\n"
           f"{format_table(results['blind_baseline'][split])}")
     return preds, results
@@ -382,13 +390,16 @@ def load_model(args, device):
 def score_checkpoint(args, device):
     """A checkpoint over a split: a captioner's metrics (Tables 1-4), a pair encoder's retrieval (Table 7)."""
     model = load_model(args, device)
+    if args.beam > 1 and not isinstance(model, Captioner):
+        raise InputError(f"--beam {args.beam}: {args.ckpt} holds a stage-1 pair encoder, which writes no captions")
     written = ["metrics.json"] + [f"{args.split}_predictions.json"] * isinstance(model, Captioner)
     cli.check_outputs([("--out_dir", Path(args.out_dir) / name) for name in written if args.out_dir], args.overwrite)
     pairs = data.read_split(args.data, args.data_root, args.split)
     if isinstance(model, Captioner):
         train_pairs = data.read_split(args.data, args.data_root, "train", images=False)  # the blind baseline's captions
         require_java()
-        preds, results = score_captions(model, data.eval_items(pairs), train_pairs, args.split, device, amp=args.amp)
+        preds, results = score_captions(model, data.eval_items(pairs), train_pairs, args.split, device, amp=args.amp,
+                                        beam=args.beam, length_penalty=args.length_penalty)
     else:
         preds, results = None, {args.split: retrieval(model, pairs, device, amp=args.amp)}
         print(f"{args.data} {args.split}: {len(pairs)} image pairs\n{format_retrieval(results[args.split])}")
@@ -413,7 +424,8 @@ def caption_pairs(captioner, args, device):
     """Every pair of --pairs, captioned: one JSON object a line, to --out or the standard output."""
     pairs = data.read_pair_list(args.pairs)
     items = [data.Pair(str(n), before, after, []) for n, (before, after) in enumerate(pairs)]
-    preds = predict(captioner, items, device, amp=args.amp, workers=0, progress=True)
+    preds = predict(captioner, items, device, amp=args.amp, workers=0, progress=True, beam=args.beam,
+                    length_penalty=args.length_penalty)
     lines = [json.dumps({"before": str(p.before), "after": str(p.after), "caption": preds[p.id]}) for p in items]
     if args.out:
         cli.write_file(args.out, "\n".join(lines) + "\n")
@@ -427,7 +439,7 @@ def caption_one_pair(captioner, args, device):
     size = captioner.encoder.config.clip.image_size
     before, after = (data.read_pixels(p, size)[None].to(device) for p in args.pair)
     with train.mixed_precision(device, args.amp)[0]:
-        print(ids_to_text(captioner.generate(before, after))[0])
+        print(ids_to_text(captioner.generate(before, after, beam=args.beam, length_penalty=args.length_penalty))[0])
     if args.attention:
         cli.write_file(args.attention, figures.attention_file(captioner, before, after, args.pair, args.attention))
         print(f"wrote {args.attention}")
@@ -452,6 +464,11 @@ def main(argv=None):
                         "--amp its run recorded, auto for the authors' files; auto is off on a CPU)")
     parser.add_argument("--n_intra", type=int, help="with an authors' --ckpt: layers that see one image (default: 9)")
     parser.add_argument("--heads", type=int, help="with an authors' stage-2 --ckpt: the captioner's heads (default: 8)")
+    parser.add_argument("--beam", type=int, help="with a stage-2 --ckpt: caption by beam search of this width "
+                        "(default: 1, greedy decoding)")
+    parser.add_argument("--length_penalty", type=float, help="with --beam above 1: captions score their sum of log "
+                        "probabilities / length ** this, the length being the tokens after SOT, EOT included "
+                        "(default: 1.0)")
     args = parser.parse_args(argv)
 
     modes = [name for name in ("predictions", "pair", "pairs") if getattr(args, name)]
@@ -461,7 +478,7 @@ def main(argv=None):
         parser.error("give --predictions with --data_root, or --ckpt with one of --pair, --pairs, --data_root")
     if args.predictions and not args.data_root:
         parser.error("--predictions needs --data_root, the dataset it scores against")
-    ckpt = ("device", "amp", "n_intra", "heads")
+    ckpt = ("device", "amp", "n_intra", "heads", "beam", "length_penalty")
     uses = {"predictions": ("data", "data_root", "split", "out"),
             "data_root": ("data", "data_root", "split", "out_dir", *ckpt), "pair": ("attention", *ckpt),
             "pairs": ("out", *ckpt)}
@@ -470,7 +487,15 @@ def main(argv=None):
             mode = "--ckpt --data_root" if modes[0] == "data_root" else f"--{modes[0]}"
             takes = ", ".join(f"--{f}" for f in uses[modes[0]])
             raise InputError(f"--{flag} has no use with {mode}, which takes {takes}")
-    vars(args).update({k: v for k, v in dict(data="clevr", split="test", device="auto").items() if getattr(args, k) is None})
+    if args.beam is not None and args.beam < 1:
+        parser.error(f"--beam {args.beam}: expected a value >= 1")
+    if args.length_penalty is not None and not 0 <= args.length_penalty < math.inf:
+        parser.error(f"--length_penalty {args.length_penalty}: expected a finite value >= 0")
+    if args.length_penalty is not None and (args.beam or 1) == 1:
+        parser.error(f"--length_penalty {args.length_penalty}: read only with --beam above 1 (greedy decoding weighs "
+                     "no lengths)")
+    defaults = dict(data="clevr", split="test", device="auto", beam=1, length_penalty=1.0)
+    vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     if args.attention and not figures.pillow_writes(args.attention):
         parser.error(f"--attention {args.attention}: expected the name of an image file Pillow writes, such as attention.png")
     cli.check_outputs([("--out", args.out), ("--attention", args.attention)], args.overwrite)

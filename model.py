@@ -42,7 +42,7 @@ class Attention(nn.Module):
     """Multi-head attention with OpenAI's parameter names (in_proj_*, out_proj) on top of SDPA.
 
     Self-attention when `memory` is None, else cross-attention to `memory`. `cache` (a dict) keeps
-    the keys/values of earlier decoding steps, so greedy decoding feeds one new token per step.
+    the keys/values of earlier decoding steps, so decoding feeds one new token per step.
     """
 
     def __init__(self, width, heads, dropout=0.0):
@@ -462,6 +462,13 @@ class Captioner(nn.Module):
             weight, bias = weight[self.words], bias[self.words]
         return F.linear(self.head(y), weight, bias)
 
+    def columns(self, targets):
+        """Each target id's column of the logits; IGNORE for a word it cannot write (and for IGNORE)."""
+        if not self.config.vocab:
+            return targets
+        column = torch.searchsorted(self.words, targets).clamp(max=len(self.words) - 1)
+        return column.masked_fill(self.words[column] != targets, IGNORE)
+
     def forward(self, before, after, ids):
         """The word-level cross-entropy of captions `ids` (SOT ... EOT, zero padded), by teacher
         forcing: the state at position t predicts ids[:, t + 1]. Padding after EOT does not count.
@@ -470,10 +477,7 @@ class Captioner(nn.Module):
         [B, k, L]: k pairs share a before image (see `CLIP4IDC.encode_pair`)."""
         ids = trim_padding(ids.flatten(0, -2))
         y = self.decode(ids[:, :-1], self.visual_memory(before, after))
-        targets = next_tokens(ids)
-        if self.config.vocab:  # each target's column of the logits; a word it cannot write is left out
-            column = torch.searchsorted(self.words, targets).clamp(max=len(self.words) - 1)
-            targets = column.masked_fill(self.words[column] != targets, IGNORE)
+        targets = self.columns(next_tokens(ids))
         real = targets != IGNORE
         if skip_padding(y):  # the vocabulary projection is the costliest layer: spare it the padding
             y, targets = y[real], targets[real]
@@ -481,14 +485,25 @@ class Captioner(nn.Module):
         return global_mean(loss, real.sum())
 
     @torch.no_grad()
-    def generate(self, before, after, max_len=None, use_cache=True):
-        """Greedy decoding: [B, <= max_len] ids starting with SOT (so at most max_len - 1 steps), each
-        row zero-padded after its EOT."""
-        return self.greedy(self.visual_memory(before, after), max_len, use_cache)
+    def generate(self, before, after, max_len=None, use_cache=True, beam=1, length_penalty=1.0, return_scores=False):
+        """Captions: [B, <= max_len] ids starting with SOT (so at most max_len - 1 steps), each row zero-padded
+        after its EOT. beam 1: greedy decoding; wider: beam search (`beam_search`), which picks each pair's caption
+        of the best score, sum of log-probabilities / length ** length_penalty, the length being the tokens
+        written after SOT, EOT included. return_scores: also the captions' scores [B] (greedy's by teacher
+        forcing). use_cache=False recomputes each greedy step from SOT (beam search always caches)."""
+        if beam < 1 or not length_penalty >= 0 or not (use_cache or beam == 1):
+            raise ValueError(f"beam {beam}, length_penalty {length_penalty}, use_cache {use_cache}: expected a beam of "
+                             "at least 1, a length_penalty of at least 0, and the cache for a beam above 1")
+        memories = self.visual_memory(before, after)
+        if beam > 1:
+            ids, scores = self.beam_search(memories, beam, max_len, length_penalty)
+            return (ids, scores) if return_scores else ids
+        ids = self.greedy(memories, max_len, use_cache)
+        return (ids, self.score(memories, ids, length_penalty)) if return_scores else ids
 
     @torch.no_grad()
     def greedy(self, memories, max_len=None, use_cache=True):
-        """The decoding loop of `generate`, given the captioning encoder's outputs."""
+        """Greedy decoding (`generate`'s beam 1), given the captioning encoder's outputs."""
         max_len, batch, device = max_len or self.config.max_len, memories[0].shape[0], memories[0].device
         ids = torch.full((batch, 1), SOT, dtype=torch.long, device=device)
         caches = [{"self": {}, "cross": {}} for _ in self.dec_layers] if use_cache else None
@@ -502,3 +517,52 @@ class Captioner(nn.Module):
             if done.all():
                 break
         return ids
+
+    @torch.no_grad()
+    def beam_search(self, memories, beam, max_len=None, length_penalty=1.0):
+        """Beam search, given the captioning encoder's outputs: each pair keeps its `beam` likeliest unfinished
+        captions (by their sum of log-probabilities) and the finished one (at EOT) of the best score, sum / length **
+        length_penalty, the length being the tokens written after SOT, EOT included (the length normalisation of
+        Wu et al. 2016, as length ** alpha for their ((5 + length) / 6) ** alpha). If none ends within max_len - 1
+        steps, the unfinished one of the best score. Returns ids as `greedy` does, and the scores [B]."""
+        max_len, batch, device = max_len or self.config.max_len, memories[0].shape[0], memories[0].device
+        eot = int(torch.searchsorted(self.words, EOT)) if self.config.vocab else EOT  # its column of the logits
+        pairs = torch.arange(batch, device=device)[:, None]
+        ids = torch.full((batch, 1), SOT, dtype=torch.long, device=device)  # a row a pair; after the first step, a beam
+        caches = [{"self": {}, "cross": {}} for _ in self.dec_layers]
+        alive = torch.zeros(batch, 1, device=device)  # the unfinished captions' sums
+        best, best_ids = torch.full((batch,), -math.inf, device=device), F.pad(ids, (0, max_len - 1))
+        for step in range(max_len - 1):
+            logits = self.logits(self.decode(ids[:, -1:], memories, caches, start=step)[:, -1])
+            total = alive[..., None] + logits.float().log_softmax(-1).view(batch, alive.shape[1], -1)
+            score, which = (total[..., eot] / (step + 1) ** length_penalty).max(1)  # the best caption ending here
+            ended = torch.cat([ids.view(batch, alive.shape[1], -1)[pairs[:, 0], which], torch.full_like(pairs, EOT)], 1)
+            best_ids[:, :step + 2] = torch.where((score > best)[:, None], ended, best_ids[:, :step + 2])
+            best = best.maximum(score)
+            total[..., eot] = -math.inf  # the beams go on without it
+            alive, index = total.flatten(1).topk(min(beam, total[0].numel()))
+            origin = (index // total.shape[-1] + total.shape[1] * pairs).flatten()
+            # Each beam takes the keys/values of the beam it extends; those of the memory, alike for a pair's beams
+            # (computed once, at the first step), only where a pair has more beams than before
+            grown = index.shape[1] != total.shape[1]
+            for cache in caches:
+                for part in ("self", "cross") if grown else ("self",):
+                    cache[part] = {kv: t[origin] for kv, t in cache[part].items()}
+            token = index.flatten() % total.shape[-1]
+            ids = torch.cat([ids[origin], (self.words[token] if self.config.vocab else token)[:, None]], dim=1)
+            # An exact stop: a sum (<= 0) only falls with more tokens, so no score beats sum / (max_len - 1) ** penalty
+            if (best >= alive[:, 0] / (max_len - 1) ** length_penalty).all():
+                break
+        if (unfinished := best == -math.inf).any():  # so the loop ran all steps: ids hold full-length beams, best first
+            best_ids = torch.where(unfinished[:, None], ids.view(batch, -1, max_len)[:, 0], best_ids)
+            return best_ids, torch.where(unfinished, alive[:, 0] / (max_len - 1) ** length_penalty, best)
+        return best_ids[:, :int((best_ids == EOT).int().argmax(1).max()) + 1], best
+
+    @torch.no_grad()
+    def score(self, memories, ids, length_penalty=1.0):
+        """Beam search's score of captions ids (SOT ... EOT, zero padded), by teacher forcing."""
+        targets = self.columns(next_tokens(ids))
+        logp = self.logits(self.decode(ids[:, :-1], memories)).float().log_softmax(-1)
+        real = targets != IGNORE
+        logp = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0].where(real, 0)
+        return logp.sum(1) / real.sum(1) ** length_penalty

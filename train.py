@@ -45,11 +45,12 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
           "max_steps": (0, None), "patience": (0, None), "workers": (-1, data.MAX_WORKERS), "lr": (0, None),
           "lr_clip": (0, None), "weight_decay": (0, None), "grad_clip": (0, None), "warmup": (0, 1), "beta2": (0, 0.9999),
           "dropout": (0, 0.99), "attn_dropout": (0, 0.99), "n_intra": (0, None), "n_inter": (0, None), "layers": (1, None),
-          "heads": (1, None), "ffn": (1, None), "max_len": (2, None), "seed": (0, 2**32 - 1)}
+          "heads": (1, None), "ffn": (1, None), "max_len": (2, None), "seed": (0, 2**32 - 1),
+          "beam": (1, None), "length_penalty": (0, None)}
 # What a resumed run may change: nothing that shapes the model, the optimiser, the data order or the schedule.
 # What a model starts from (--clip, --init_from) may move: last.pt holds the weights, and resume() checks the shape.
 RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
-               "out_dir", "patience", "clip", "init_from")
+               "out_dir", "patience", "clip", "init_from", "beam", "length_penalty")
 RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")  # what a run writes
 
 

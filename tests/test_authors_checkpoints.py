@@ -13,6 +13,7 @@ from PIL import Image
 
 import caption
 import clip_weights
+import data
 import evaluate
 import synth
 from cli import InputError
@@ -174,13 +175,20 @@ def test_their_stage_1_starts_caption_training_and_their_stage_2_scores_a_split(
     torch.save(authors_state_dict(1), tmp_path / "pytorch_model.bin.pretrained")
     caption.main(["--data", "synth", "--data_root", str(root), "--out_dir", str(tmp_path / "run"), "--max_steps", "2",
                   "--batch_size", "8", "--workers", "0", "--layers", "1", "--heads", "2", "--ffn", "32",
-                  "--init_from", str(tmp_path / "pytorch_model.bin.pretrained"), "--n_intra", "3", "--n_inter", "1"])
-    assert (tmp_path / "run" / "metrics.json").is_file()
+                  "--init_from", str(tmp_path / "pytorch_model.bin.pretrained"), "--n_intra", "3", "--n_inter", "1",
+                  "--beam", "2", "--length_penalty", "0.5"])  # the test captions' decoding; validation stays greedy
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["decoding"] == {"beam": 2, "length_penalty": 0.5}
 
     torch.save(authors_state_dict(2), tmp_path / "pytorch_model.bin.trained")
     evaluate.main(["--ckpt", str(tmp_path / "pytorch_model.bin.trained"), "--n_intra", "3", "--heads", "2",
                    "--data", "synth", "--data_root", str(root), "--split", "test", "--out_dir", str(tmp_path / "scored"),
-                   "--device", "cpu"])
+                   "--device", "cpu", "--beam", "3"])
     metrics = json.loads((tmp_path / "scored" / "metrics.json").read_text())
     assert set(metrics["test"]["per_type"]) <= {"color", "texture", "move", "add", "drop", "distractor"}
-    assert "CIDEr by change type" in capsys.readouterr().out
+    assert metrics["decoding"] == {"beam": 3, "length_penalty": 1.0}
+    items = data.eval_items(data.read_split("synth", root, "test"))
+    model = clip_weights.load_checkpoint(tmp_path / "pytorch_model.bin.trained", n_intra=3, heads=2)
+    assert evaluate.read_predictions(tmp_path / "scored" / "test_predictions.json") == evaluate.predict(
+        model, items, torch.device("cpu"), workers=0, beam=3)
+    out = capsys.readouterr().out
+    assert "CIDEr by change type" in out and "test split, this model (beam search, beam 3, length penalty 1):" in out

@@ -112,9 +112,9 @@ def test_own_pairs_are_captioned_under_the_amp_asked_for(ckpt, tmp_path, capsys,
     (tmp_path / "pairs.txt").write_text(f"{before} {after}\n")
     generate, under = Captioner.generate, []
 
-    def recorded(self, *images):
+    def recorded(self, *images, **decoding):
         under.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
-        return generate(self, *images)
+        return generate(self, *images, **decoding)
     monkeypatch.setattr(Captioner, "generate", recorded)
     cpu_bf16 = ["--ckpt", ckpt, "--device", "cpu", "--amp", "bf16"]
     evaluate.main([str(a) for a in cpu_bf16 + ["--pair", before, after]])
@@ -250,7 +250,7 @@ def test_a_split_is_scored_without_the_images_of_the_others(root, ckpt, tmp_path
     shutil.copytree(root, copy)
     (copy / "sc_images" / "CLEVR_semantic_000015.png").unlink()  # the train pair's after image
     evaluate.main([str(a) for a in ["--ckpt", ckpt, "--data", "clevr", "--data_root", copy, "--out_dir", tmp_path]])
-    assert set(json.loads((tmp_path / "metrics.json").read_text())) == {"test", "blind_baseline"}
+    assert set(json.loads((tmp_path / "metrics.json").read_text())) == {"test", "blind_baseline", "decoding"}
     with pytest.raises(FileNotFoundError, match="1 of 1 train pairs lack image files"):
         data.read_split("clevr", copy, "train")
 
@@ -260,7 +260,7 @@ def test_a_flag_the_chosen_command_does_not_use_is_refused(root, ckpt, preds, tm
     (tmp_path / "pairs.txt").write_text(f"{before} {after}\n")
     clevr = ["--data", "clevr", "--data_root", root]
     earlier = snapshot(tmp_path)
-    with_ckpt = "--device, --amp, --n_intra, --heads"
+    with_ckpt = "--device, --amp, --n_intra, --heads, --beam, --length_penalty"
     assert error_of(capsys, "--ckpt", ckpt, *clevr, "--out", tmp_path / "m.json") == (
         f"--out has no use with --ckpt --data_root, which takes --data, --data_root, --split, --out_dir, {with_ckpt}")
     assert error_of(capsys, "--predictions", preds, *clevr, "--out_dir", tmp_path / "run") == (

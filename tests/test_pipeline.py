@@ -31,6 +31,7 @@ def test_adapt_then_caption_then_evaluate(tmp_path, capsys):
     assert set(metrics["test"]) == {"BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "per_type"}
     assert set(metrics["test"]["per_type"]) <= {"color", "texture", "move", "add", "drop", "distractor"}
     assert "distractor" in metrics["test"]["per_type"]
+    assert metrics["decoding"] == {"beam": 1, "length_penalty": 1.0}  # greedy, the default
     figure_path = tmp_path / "caption" / "examples.png"
     assert f"wrote {figure_path}" in capsys.readouterr().out
     with Image.open(figure_path) as figure:
@@ -56,5 +57,6 @@ def test_adapt_then_caption_then_evaluate(tmp_path, capsys):
         best = tmp_path / ("adapt" if stage == 1 else "caption") / "best.pt"
         evaluate.main(["--ckpt", str(best), "--data", "synth", "--data_root", str(root), "--split", "test",
                        "--out_dir", str(folder), "--device", "cpu"])
-        assert json.loads((folder / "metrics.json").read_text())["test"] == run["test"]
+        scored = json.loads((folder / "metrics.json").read_text())
+        assert scored["test"] == run["test"] and scored.get("decoding") == run.get("decoding")
     assert json.loads((folder / "test_predictions.json").read_text()) == predictions
