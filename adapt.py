@@ -21,9 +21,9 @@ import train
 from cli import InputError
 from model import CLIP4IDC, CLIP4IDCConfig, CLIPConfig
 
-# A CLIP small enough to train from scratch on a laptop CPU in minutes (128 px, patch 16).
+# A CLIP small enough to train on a laptop CPU in minutes (128 px, patch 16), with OpenAI's heads of 64.
 SMALL_CLIP = CLIPConfig(embed_dim=64, image_size=128, patch_size=16, vision_width=64, vision_layers=4,
-                        vision_heads=4, context_length=32, text_width=64, text_layers=2, text_heads=4)
+                        vision_heads=1, context_length=32, text_width=64, text_layers=2, text_heads=1)
 
 
 @dataclass
@@ -31,7 +31,7 @@ class AdaptConfig:  # defaults: Appendix B and the authors' code
     data: Literal["synth", "clevr", "spot", "ier"] = "synth"  # dataset: synth is the offline CLEVR-Change look-alike
     data_root: str = ""  # dataset folder (default: data/<data>)
     out_dir: str = ""  # run folder for checkpoints and metrics (default: out/adapt-<data>)
-    preset: Literal["vit-b/32", "small"] = "vit-b/32"  # CLIP's shape: the paper's, or small enough for a CPU
+    preset: Literal["vit-b/32", "small"] = "vit-b/32"  # with --init random, CLIP's shape: the paper's, or small enough for a CPU
     init: Literal["openai", "random"] = "openai"  # start from OpenAI's weights or from scratch
     clip: str = "ViT-B/32"  # with --init openai: OpenAI's model name or a checkpoint path
     n_intra: int = 9  # layers that see one image (Table 7)
@@ -58,9 +58,11 @@ class AdaptConfig:  # defaults: Appendix B and the authors' code
     recipe: Literal["paper", "authors"] = "paper"  # paper: the paper and our choices; authors: as their code trains (README)
 
 
-# The offline default: what `--data synth` changes unless a flag says otherwise (the README says why).
-SYNTH_DEFAULTS = dict(preset="small", init="random", n_intra=2, n_inter=2, epochs=5, batch_size=48,
-                      lr=5e-4, lr_clip=5e-4, weight_decay=0.05, cache=True)
+# The offline default: what `--data synth` changes unless a flag says otherwise (docs/offline-default.md says why).
+# Its CLIP is the small one pretrain.py made of synthetic scenes; the parameters it lacks learn at four times
+# its rate, which suits random weights of its shape (--init random) as well.
+SYNTH_DEFAULTS = dict(preset="small", init="openai", clip="assets/clip_synth.pt", n_intra=2, n_inter=2, epochs=5,
+                      batch_size=48, lr=4e-3, lr_clip=1e-3, weight_decay=0.05, cache=True)
 # --recipe authors: their script adapts 20 epochs on Spot-the-Diff (12 on CLEVR-Change, as the paper says).
 AUTHORS_DEFAULTS = {"spot": dict(epochs=20)}
 # The CLIP parameters that the authors' scripts freeze in both stages (their --freeze_layer_num 0):
@@ -77,9 +79,10 @@ def freeze_as_authors(clip, keep=()):
 
 
 def build_model(cfg):
-    if cfg.preset == "small" and cfg.init == "openai":
-        raise InputError("--preset small trains from scratch: add --init random, or use --preset vit-b/32")
-    if cfg.init == "random" and cfg.clip != AdaptConfig.clip:
+    if cfg.init == "openai" and cfg.preset == "small" and cfg.data != "synth":  # on synth, the default of both
+        raise InputError("--preset small: the shape of a CLIP from random weights (--init random); with --init openai, "
+                         "the --clip file gives it")
+    if cfg.init == "random" and cfg.clip not in (AdaptConfig.clip, SYNTH_DEFAULTS["clip"]):  # not given
         raise InputError(f"--clip {cfg.clip}: read only with --init openai, and this run starts from random weights")
     clip = None
     if cfg.init == "openai":

@@ -73,8 +73,8 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
 # without it, and on a CPU attention dropout forces the slow attention kernel. Scoring only the words of
 # the training captions, not all 49,408 of CLIP's, takes about 40% off the time of a step. The README says what each
 # choice buys.
-SYNTH_DEFAULTS = dict(heads=4, ffn=512, dropout=0.0, attn_dropout=0.0, epochs=6, lr=1e-3, lr_clip=1e-4, beta2=0.98,
-                      vocab="train", cache=True)
+SYNTH_DEFAULTS = dict(clip="assets/clip_synth.pt", n_intra=2, n_inter=2, heads=4, ffn=512, dropout=0.0, attn_dropout=0.0,
+                      epochs=6, lr=1e-3, lr_clip=1e-4, beta2=0.98, vocab="train", cache=True)
 # --recipe authors: their script for CLEVR-Change seeds stage 2 with 2021.
 AUTHORS_DEFAULTS = {"clevr": dict(seed=2021)}
 
@@ -89,10 +89,11 @@ def build_captioner(cfg, device):
         if cfg.lr_clip == 0:
             raise InputError("--lr_clip 0 with --init_from openai would leave e1, e2 and p as drawn: freeze a pair "
                              "encoder that stage 1 trained")
-        encoder = build_model(AdaptConfig(init="openai", clip=cfg.clip, n_intra=cfg.n_intra, n_inter=cfg.n_inter))
+        encoder = build_model(AdaptConfig(data=cfg.data, init="openai", clip=cfg.clip, n_intra=cfg.n_intra,
+                                          n_inter=cfg.n_inter))
     else:
         path = cfg.init_from or f"out/adapt-{cfg.data}/best.pt"
-        if cfg.clip != CaptionConfig.clip:
+        if cfg.clip not in (CaptionConfig.clip, SYNTH_DEFAULTS["clip"]):  # not given
             raise InputError(f"--clip {cfg.clip}: read only with --init_from openai, and the pair encoder comes from {path}")
         if not Path(path).exists():
             raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run `python adapt.py --data {cfg.data}` "
@@ -121,7 +122,7 @@ def record_split(cfg, encoder, path):
     model's split: a flag may only repeat it (ours record both; the authors' files take them from the flags)."""
     for flag in ("n_intra", "n_inter"):
         given, held = getattr(cfg, flag), getattr(encoder.config, flag)
-        if given not in (getattr(CaptionConfig, flag), held):
+        if given not in (getattr(CaptionConfig, flag), SYNTH_DEFAULTS[flag], held):
             raise InputError(f"--{flag} {given}: the pair encoder in {path} has {flag} {held}; expected that or no "
                              "flag (an authors' file is split by --n_intra)")
         setattr(cfg, flag, held)

@@ -35,6 +35,10 @@ MODELS = {  # the SHA-256 of each file is the path component before its name
     "ViT-L/14": "https://openaipublic.azureedge.net/clip/models/b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt",
     "ViT-L/14@336px": "https://openaipublic.azureedge.net/clip/models/3035c92b350959924f9f00213499208652fc7ea050643e8b385c2dac08641f02/ViT-L-14-336px.pt",
 }
+# The small CLIP that pretrain.py made of synthetic scenes, shipped for the offline default: its SHA-256
+# (assets/README.md says how it was made). A file there that differs is refused, not taken for it.
+SHIPPED = {"clip_synth.pt": "e8e2f0f0b8f86dab9b807929c55047bfd9dc97b26b29e6bbc1be85b1d678cd74"}
+ASSETS = Path(__file__).resolve().parent / "assets"
 CACHE_DIR = Path("~/.cache/clip").expanduser()
 METADATA_KEYS = ("input_resolution", "context_length", "vocab_size")  # in OpenAI's files, not parameters
 CHUNK = 1 << 20
@@ -46,6 +50,9 @@ def load(name_or_path, device="cpu", root=CACHE_DIR):
     if not path.is_file():
         what = "a folder" if path.is_dir() else "no such file"
         raise FileNotFoundError(f"{path}: {what}; expected a checkpoint file or one of {', '.join(MODELS)}")
+    if path.resolve().parent == ASSETS and path.name in SHIPPED and (digest := sha256(path)) != SHIPPED[path.name]:
+        raise InputError(f"{path}: SHA-256 {digest}, not that of the file shipped there ({SHIPPED[path.name]}); restore "
+                         "it with `git checkout` or remake it as assets/README.md says")
     sd = read_state_dict(path)
     model = CLIP(config_from_state_dict(sd, path))
     load_weights(model, sd, path)

@@ -46,6 +46,7 @@ class Pair:
     change_type: str | None = None  # a CLEVR-Change type_mapping key, "distractor", or None
     distractor: Path | None = None  # the before scene under another viewpoint / light only (CLEVR-Change)
     distractor_captions: list[str] = field(default_factory=list)
+    scene: dict | None = None  # the synthetic data's scene graphs of the pair (its scenes.json), which grade captions
 
 
 def missing(dataset, path, what="not found"):
@@ -168,13 +169,17 @@ def read_ier(root, split):
 def read_split(dataset, root, split, images=True):
     """The pairs of one split; "synth" is our CLEVR-Change look-alike and shares its reader. `images`: check
     that their image files exist."""
-    dataset = "clevr" if dataset == "synth" else dataset
+    synthetic, dataset = dataset == "synth", "clevr" if dataset == "synth" else dataset
     if dataset not in SOURCES:
         raise InputError(f"unknown dataset {dataset!r}; expected one of clevr, spot, ier, synth")
     root = Path(root)
     if not root.is_dir():
         raise missing(dataset, root, "no such folder")
     pairs = {"clevr": read_clevr, "spot": read_spot, "ier": read_ier}[dataset](root, split)
+    if synthetic and (root / "scenes.json").is_file():  # synth.py writes it; a copy without it is graded by no one
+        scenes = read_json("clevr", root / "scenes.json")[0]
+        for p in pairs:
+            p.scene = scenes.get(p.id)
     if repeated := [i for i, n in Counter(p.id for p in pairs).items() if n > 1]:
         raise InputError(f"{root} {split}: ids {repeated[:5]} name more than one pair; each pair needs its own id")
     # Only training leaves blank captions out: the scored splits stay as published, as the authors score them

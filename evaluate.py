@@ -39,6 +39,7 @@ import cli
 import clip_weights
 import data
 import figures
+import synth
 import train
 from cli import InputError
 from data import CHANGE_TYPES, PAPER_TYPE_NAME
@@ -296,16 +297,23 @@ def score_items(items, preds):
     metrics = caption_metrics(refs, preds)
     if types := {item.id: item.change_type for item in items if item.change_type}:
         metrics["per_type"] = per_type_cider(refs, preds, types)
+    if any(item.scene for item in items):  # the synthetic data: what the captions say, against the scene graphs
+        metrics["grades"] = synth.grade(items, preds)
     return metrics
 
 
 def format_table(metrics):
-    """Caption metrics as in Table 1 (B = BLEU-4, M, C, R) and, if present, Table 2's CIDEr by type."""
+    """Caption metrics as in Table 1 (B = BLEU-4, M, C, R) and, if present, Table 2's CIDEr by type and the grades."""
     columns = {"B": "BLEU-4", "M": "METEOR", "C": "CIDEr", "R": "ROUGE-L"}
     lines = ["".join(f"{c:>8}" for c in columns), "".join(f"{metrics[m]:>8.1f}" for m in columns.values())]
     if per_type := metrics.get("per_type"):
         lines += ["", "CIDEr by change type", "".join(f"{h:>8}" for h in ("C", "T", "M", "A", "D", "DI")),
                   "".join(f"{per_type[t]:>8.1f}" if t in per_type else f"{'-':>8}" for t in CHANGE_TYPES)]
+    if grades := metrics.get("grades"):
+        said = {"change": "name the change", "shape": "the changed object's shape", "move": "moved objects said to move",
+                "distractor": "distractors said unchanged"}
+        lines += ["", "Graded against the scene graphs (% of captions): " + ", ".join(
+            f"{what} {grades[k]:.1f}" for k, what in said.items() if grades[k] is not None)]
     return "\n".join(lines)
 
 

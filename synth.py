@@ -7,6 +7,7 @@ viewpoint and light, and captions in CLEVR-Change's style, written in CLEVR-Chan
 
 scenes.json beside the captions holds the scene graphs the images were drawn from.
 """
+import contextlib
 import functools
 import json
 import logging
@@ -169,6 +170,12 @@ def change_captions(kind, before, after, old, new, rng, n=5):
     return list(captions)
 
 
+def random_camera(rng):
+    """A distractor's viewpoint and light: a shift, a zoom, and 8-20% darker or brighter."""
+    return {"dx": round(rng.uniform(-10, 10), 1), "dy": round(rng.uniform(-6, 6), 1), "zoom": round(rng.uniform(0.94, 1.06), 3),
+            "light": round(1 + rng.choice((-1, 1)) * rng.uniform(0.08, 0.2), 3)}
+
+
 def synth_pair(i, seed):
     """The scene graphs, change captions and no-change captions of pair `i`, fixed by (seed, i)."""
     rng = random.Random(f"synth:{seed}:{i}")
@@ -177,10 +184,7 @@ def synth_pair(i, seed):
         before = make_scene(rng)
         change = before and change_scene(before, kind, rng)
     after, old, new = change
-    camera = {"dx": round(rng.uniform(-10, 10), 1), "dy": round(rng.uniform(-6, 6), 1),
-              "zoom": round(rng.uniform(0.94, 1.06), 3),
-              "light": round(1 + rng.choice((-1, 1)) * rng.uniform(0.08, 0.2), 3)}  # 8-20% darker or brighter
-    scene = {"change_type": kind, "before": before, "after": after, "distractor_camera": camera}
+    scene = {"change_type": kind, "before": before, "after": after, "distractor_camera": random_camera(rng)}
     return scene, change_captions(kind, before, after, old, new, rng), rng.sample(NO_CHANGE, 5)
 
 
@@ -212,9 +216,8 @@ def write_synth(out, n_pairs, seed, workers=None):
 
 def draw_into(out, n_pairs, seed, workers):
     """write_synth's drawing, into a folder renamed `out` once whole."""
-    tmp = scratch(out, "partial")  # renamed when whole: a killed run leaves no dataset
     files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
-    try:
+    with drawn_whole(out) as tmp:
         for folder in ("images", "sc_images", "nsc_images"):
             (tmp / folder).mkdir(parents=True)
         with worker_pool(workers) as pool:
@@ -229,7 +232,16 @@ def draw_into(out, n_pairs, seed, workers):
         files["splits"] = {split: list(range(a, b)) for split, a, b in zip(("train", "val", "test"), ends, ends[1:])}
         for name, content in files.items():
             (tmp / f"{name}.json").write_text(json.dumps(content))
-    except BaseException as e:  # an interrupted drawing leaves nothing behind
+
+
+@contextlib.contextmanager
+def drawn_whole(out):
+    """A scratch folder for the block to draw into, renamed `out` once whole: a killed or failed drawing leaves
+    no dataset behind."""
+    tmp = scratch(out, "partial")
+    try:
+        yield tmp
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in DISK_ERRNOS:  # a full disk: name the folder, as PIL's error may not
             raise OSError(e.errno, e.strerror, str(out)) from None
@@ -240,6 +252,80 @@ def draw_into(out, n_pairs, seed, workers):
         shutil.rmtree(tmp)
         if not out.is_dir():
             raise
+
+
+# ---- Single scenes, for pretraining a CLIP (pretrain.py) -----------------------------------------
+def scene(i, seed):
+    """Scene `i` of pretrain.py's single scenes, fixed by (seed, i): objects, and a camera and light that
+    vary as the distractors' do for half of them. Their random stream is not the IDC pairs' (synth_pair)."""
+    rng = random.Random(f"scene:{seed}:{i}")
+    while (objects := make_scene(rng)) is None:
+        pass
+    return {"objects": objects, "camera": random_camera(rng) if rng.random() < 0.5 else SAME_CAMERA}
+
+
+def draw_scene(i, seed, folder):
+    graph = scene(i, seed)
+    render(graph["objects"], graph["camera"]).save(folder / f"scene_{i:06d}.png", compress_level=1)
+    return graph
+
+
+def write_scenes(out, n, seed=0):
+    """`n` single scenes as out/scene_%06d.png, and their graphs in out/scenes.json, on every core."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new folder for the scenes")
+    with new_folders(out.parent), drawn_whole(out) as tmp:
+        tmp.mkdir(parents=True)
+        with worker_pool(min(cores(), 1 + n // 500)) as pool:
+            graphs = list(pool.imap(functools.partial(draw_scene, seed=seed, folder=tmp), range(n), chunksize=25))
+        (tmp / "scenes.json").write_text(json.dumps(graphs))
+
+
+# ---- Captions graded against the scene graph ----------------------------------------------------
+SAYS = {"move": ("moved", "location"), "add": ("added", "appeared", "new"), "drop": ("disappeared", "missing", "gone",
+        "removed"), "color": ("changed to", "turned", "became", "is now", "painted")}
+SHAPE_OF = {word: shape for shape in SHAPES for word in WORDS[shape]}
+
+
+def changed_object(scene):
+    """(the object a pair's change is about, as before the change, or as added; the same after the change)."""
+    before, after = scene["before"], scene["after"]
+    if scene["change_type"] == "add":
+        return None, after[-1]
+    if scene["change_type"] == "drop":
+        return next(o for o in before if o not in after), None
+    return next((b, a) for b, a in zip(before, after) if b != a)
+
+
+def says_change(caption, scene):
+    """Whether a caption names the pair's change: its verb, and for a new colour or material the new value
+    after it ("the red cube turned blue")."""
+    kind, (old, new) = scene["change_type"], changed_object(scene)
+    if kind in ("move", "add", "drop"):
+        return any(verb in caption for verb in SAYS[kind])
+    verb = next((v for v in SAYS["color"] if v in caption), None)
+    value = (new["color"],) if kind == "color" else WORDS[new["material"]]
+    return verb is not None and any(word in value for word in caption.split(verb, 1)[1].split())
+
+
+def named_shape(caption):
+    """The shape its subject's shape word names ("thing" names none; a clause after "that" is another object's)."""
+    return next((SHAPE_OF[word] for word in caption.split(" that ")[0].split() if word in SHAPE_OF), None)
+
+
+def grade(items, preds):
+    """Percent of the change captions that name the change (says_change) and the changed object's shape, of the
+    moved objects said to move, and of the distractors given a no-change sentence: preds {id: caption} of
+    data.eval_items of the synthetic data, whose change pairs hold their scene graphs."""
+    changes = [(preds[i.id].lower(), i.scene) for i in items if i.scene]
+    def share(hits):
+        hits = list(hits)
+        return 100.0 * sum(hits) / len(hits) if hits else None
+    return {"change": share(says_change(c, scene) for c, scene in changes),
+            "shape": share(named_shape(c) == next(o for o in changed_object(scene) if o)["shape"] for c, scene in changes),
+            "move": share(any(verb in c for verb in SAYS["move"]) for c, scene in changes if scene["change_type"] == "move"),
+            "distractor": share(preds[i.id].lower().strip(" .") in NO_CHANGE for i in items if i.change_type == "distractor")}
 
 
 PAIRS = 5600  # the offline default: train 5,200, val 200, test 200 (see the README on why so many)

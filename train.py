@@ -46,7 +46,9 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
           "lr_clip": (0, None), "weight_decay": (0, None), "grad_clip": (0, None), "warmup": (0, 1), "beta2": (0, 0.9999),
           "dropout": (0, 0.99), "attn_dropout": (0, 0.99), "n_intra": (0, None), "n_inter": (0, None), "layers": (1, None),
           "heads": (1, None), "ffn": (1, None), "max_len": (2, None), "seed": (0, 2**32 - 1),
-          "beam": (1, None), "length_penalty": (0, None)}
+          "beam": (1, None), "length_penalty": (0, None),
+          "scenes": (1, None), "negatives": (0, 5), "relations": (0, 1),
+          "width": (64, None), "vision_layers": (1, None), "text_layers": (1, None)}
 # What a resumed run may change: nothing that shapes the model, the optimiser, the data order or the schedule.
 # What a model starts from (--clip, --init_from) may move: last.pt holds the weights, and resume() checks the shape.
 RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
@@ -85,8 +87,9 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors
             parser.add_argument(f"--{f.name}", type=type(f.default), choices=choices, **kind)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     cfg = config_cls(**given)
-    presets = {**(synth_defaults if cfg.data == "synth" else {}),
-               **(authors_defaults.get(cfg.data, {}) if cfg.recipe == "authors" else {})}
+    data_set = getattr(cfg, "data", "synth")  # pretrain.py's config has no --data: its scenes are synthetic
+    presets = {**(synth_defaults if data_set == "synth" else {}),
+               **(authors_defaults.get(data_set, {}) if getattr(cfg, "recipe", "") == "authors" else {})}
     cfg = dataclasses.replace(cfg, **{**presets, **given})
     for name, (low, high) in LIMITS.items():
         value = getattr(cfg, name, None)
@@ -95,7 +98,7 @@ def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors
             kind = "value" if finite else "finite value"
             parser.error(f"--{name} {value}: expected a {kind} {f'in [{low}, {high}]' if high else f'>= {low}'}")
         parser.require_64_bit(name, value)
-    if cfg.lr == cfg.lr_clip == 0:  # a rate of 0 freezes (make_optimizer)
+    if cfg.lr == getattr(cfg, "lr_clip", None) == 0:  # a rate of 0 freezes (make_optimizer)
         parser.error("--lr 0 and --lr_clip 0: nothing would train; expected a rate above 0 for one of them")
     cfg.data_root = cfg.data_root or f"data/{cfg.data}"
     cfg.out_dir = cfg.out_dir or f"out/{stage}-{cfg.data}"
@@ -109,7 +112,7 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
     processes = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.batch_size % processes:
         raise InputError(f"--batch_size {cfg.batch_size} does not split evenly over {processes} processes")
-    if cfg.data == "synth":
+    if getattr(cfg, "data", "synth") == "synth":
         synth.check_root(cfg.data_root)
     elif not Path(cfg.data_root).is_dir():
         raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")

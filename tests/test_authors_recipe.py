@@ -93,7 +93,7 @@ def test_runs_print_their_trainable_parameters(tmp_path, capsys):
     model = small_encoder("authors")
     n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("trainable parameters: "))
-    assert line.endswith(f"; frozen: {n_frozen / 1e6:.2f}M") and "at lr 0.0005 weight decay 0.05" in line
+    assert line.endswith(f"; frozen: {n_frozen / 1e6:.2f}M") and "at lr 0.001 weight decay 0.05" in line
     caption.main([*SMALL, "--data_root", str(root), "--out_dir", str(tmp_path / "c"), "--recipe", "authors",
                   "--init_from", str(tmp_path / "a" / "best.pt"), "--layers", "1", "--ffn", "32"])
     out = capsys.readouterr().out

@@ -430,8 +430,11 @@ def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_
 
 def test_a_flag_the_run_would_not_read_is_refused(root, stage_1, tmp_path, capsys):
     at, best = ["--data_root", root, "--out_dir", tmp_path / "run"], stage_1 / "best.pt"
-    assert error_of(capsys, adapt.main, *SMALL, *at, "--clip", "ViT-L/14").endswith(
+    assert error_of(capsys, adapt.main, *SMALL, *at, "--init", "random", "--clip", "ViT-L/14").endswith(
         "--clip ViT-L/14: read only with --init openai, and this run starts from random weights")
+    assert error_of(capsys, adapt.main, *SMALL, *at, "--data", "clevr", "--data_root", tmp_path, "--preset", "small",
+                    "--init", "openai").endswith("--preset small: the shape of a CLIP from random weights (--init random); "
+                                                 "with --init openai, the --clip file gives it")
     assert error_of(capsys, caption.main, *SMALL, *at, "--init_from", best, "--clip", "ViT-L/14").endswith(
         f"--clip ViT-L/14: read only with --init_from openai, and the pair encoder comes from {best}")
     for flag, value, held in (("n_intra", 3, 2), ("n_inter", 1, 2)):  # the stage-1 run: 2 + 2 layers
@@ -496,8 +499,7 @@ def test_a_failed_download_is_one_line(root, tmp_path, capsys, monkeypatch):
         raise ConnectionError("cannot download https://x/ViT-B-32.pt (no route). No network? Download the file ...")
 
     monkeypatch.setattr(clip_weights, "download", offline)
-    error = error_of(capsys, adapt.main, "--data_root", root, "--out_dir", tmp_path / "a", "--preset", "vit-b/32",
-                     "--init", "openai")
+    error = error_of(capsys, adapt.main, "--data_root", root, "--out_dir", tmp_path / "a", "--clip", "ViT-B/32")
     assert error.endswith("cannot download https://x/ViT-B-32.pt (no route). No network? Download the file ...")
     assert not (tmp_path / "a").exists()
 

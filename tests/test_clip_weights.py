@@ -297,3 +297,16 @@ def test_no_network_says_where_to_put_the_file(tmp_path):
     with pytest.raises(ConnectionError, match="in place of the file there, whose SHA-256 differs"):
         clip_weights.download(url, cache)
     assert list(cache.iterdir()) == [cache / "ViT-B-32.pt"]
+
+
+def test_the_shipped_synthetic_clip_loads_as_the_small_shape_and_a_changed_copy_is_refused(tmp_path, monkeypatch):
+    import adapt
+    shipped = clip_weights.ASSETS / "clip_synth.pt"
+    assert clip_weights.sha256(shipped) == clip_weights.SHIPPED["clip_synth.pt"]
+    assert clip_weights.load("assets/clip_synth.pt").config == adapt.SMALL_CLIP  # --init random: the same shape
+    copy = torch.load(shipped)
+    copy["logit_scale"] += 1  # a file that differs, under the shipped name, is not taken for it
+    monkeypatch.setattr(clip_weights, "ASSETS", tmp_path)
+    with pytest.raises(clip_weights.InputError, match=r"clip_synth.pt: SHA-256 \w+, not that of the file shipped"):
+        clip_weights.load(save(copy, tmp_path / "clip_synth.pt"))
+    assert clip_weights.load(save(copy, tmp_path / "other.pt")).config == adapt.SMALL_CLIP  # another name: any file

@@ -28,7 +28,10 @@ def test_adapt_then_caption_then_evaluate(tmp_path, capsys):
     caption.main(small + ["--out_dir", str(tmp_path / "caption"), "--init_from", str(tmp_path / "adapt" / "best.pt"),
                           "--layers", "1", "--ffn", "64", "--batch_size", "8"])
     metrics = json.loads((tmp_path / "caption" / "metrics.json").read_text())
-    assert set(metrics["test"]) == {"BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "per_type"}
+    assert set(metrics["test"]) == {"BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "per_type",
+                                    "grades"}
+    assert set(metrics["test"]["grades"]) == {"change", "shape", "move", "distractor"}
+    assert metrics["blind_baseline"]["test"]["grades"]["change"] == 0  # a no-change sentence names no change
     assert set(metrics["test"]["per_type"]) <= {"color", "texture", "move", "add", "drop", "distractor"}
     assert "distractor" in metrics["test"]["per_type"]
     assert metrics["decoding"] == {"beam": 1, "length_penalty": 1.0}  # greedy, the default

@@ -198,3 +198,39 @@ def test_val_and_test_hold_a_tenth_of_the_pairs_each_and_at_most_200(tmp_path, m
         splits = json.loads((tmp_path / str(pairs) / "splits.json").read_text())
         assert [len(splits[s]) for s in ("train", "val", "test")] == [pairs - 2 * held_out, held_out, held_out]
         assert sorted(i for s in splits.values() for i in s) == list(range(pairs))
+
+
+def test_grades_count_what_captions_say_of_the_scene_graph():
+    pairs = [synth.synth_pair(i, 0) for i in range(100)]  # 20 of each change type
+    items = [data.Pair(str(i), None, None, captions, scene["change_type"], scene=scene)
+             for i, (scene, captions, _) in enumerate(pairs)]
+    items += [data.Pair(f"{i}_n", None, None, no_change, "distractor") for i, (_, _, no_change) in enumerate(pairs)]
+    references = {item.id: item.captions[0] for item in items}
+    grades = synth.grade(items, references)
+    assert (grades["change"], grades["move"], grades["distractor"]) == (100, 100, 100)
+    shapes = [synth.named_shape(item.captions[0]) for item in items if item.scene]
+    assert grades["shape"] == sum(s is not None for s in shapes)  # of 100: where a reference names it, rightly
+
+    def caption(scene, verb_of, value):
+        old, new = synth.changed_object(scene)
+        obj = old or new
+        return f"the {obj['size']} {obj['color']} {obj['shape']} {verb_of[scene['change_type']]}{value(old, new)}"
+    right = {"move": "moved", "add": "has been added", "drop": "is missing", "color": "turned ", "material": "is now "}
+    new_value = lambda old, new: new["color"] if old and new and old["color"] != new["color"] else (
+        new["material"] if old and new and old["material"] != new["material"] else "")
+    old_value = lambda old, new: old["color"] if old and new and old["color"] != new["color"] else (
+        old["material"] if old and new and old["material"] != new["material"] else "")
+    changes = [item for item in items if item.scene]
+    told = {i.id: caption(i.scene, right, new_value) for i in changes}
+    assert synth.grade(changes, told) == {"change": 100, "shape": 100, "move": 100, "distractor": None}
+    stale = {i.id: caption(i.scene, right, old_value) for i in changes}  # the old colour or material: wrong
+    assert synth.grade(changes, stale)["change"] == 60  # move, add and drop alone
+    wrong_verb = {i.id: caption(i.scene, {**right, "move": "became ", "add": "is gone"}, new_value) for i in changes}
+    assert synth.grade(changes, wrong_verb)["change"] == 60 and synth.grade(changes, wrong_verb)["move"] == 0
+    other_shape = {k: c.replace("cube", "ball").replace("sphere", "block").replace("cylinder", "cube")
+                   for k, c in told.items()}
+    assert synth.grade(changes, other_shape)["shape"] == 0
+    assert synth.named_shape("the small red thing that is left of the big blue ball") is None
+    distractors = [item for item in items if not item.scene][:2]
+    assert synth.grade(distractors, {distractors[0].id: "Nothing has changed.", distractors[1].id: "the cube moved"}
+                       )["distractor"] == 50
