@@ -68,13 +68,13 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
     recipe: Literal["paper", "authors"] = "paper"  # paper: the paper and our choices; authors: as their code trains (README)
 
 
-# The offline default: a small captioner, and a pair encoder that was itself trained from scratch; it moves
-# slowly (lr_clip) so as to keep what stage 1 learned. Dropout is off: a run of a few epochs learns faster
-# without it, and on a CPU attention dropout forces the slow attention kernel. Scoring only the words of
-# the training captions, not all 49,408 of CLIP's, takes about 40% off the time of a step. The README says what each
-# choice buys.
+# The offline default: a small captioner on the small pair encoder of stage 1, which trains at the captioner's
+# rate: far from converged, it still learns what captions need (at a tenth of it, every seed tried scored lower).
+# Dropout is off: a run of a few epochs learns faster without it, and on a CPU attention dropout forces the
+# slow attention kernel. Scoring only the words of the training captions, not all 49,408 of CLIP's, takes
+# about 40% off the time of a step (docs/offline-default.md).
 SYNTH_DEFAULTS = dict(clip="assets/clip_synth.pt", n_intra=2, n_inter=2, heads=4, ffn=512, dropout=0.0, attn_dropout=0.0,
-                      epochs=6, lr=1e-3, lr_clip=1e-4, beta2=0.98, vocab="train", cache=True)
+                      epochs=6, lr=1e-3, lr_clip=1e-3, beta2=0.98, vocab="train", cache=True)
 # --recipe authors: their script for CLEVR-Change seeds stage 2 with 2021.
 AUTHORS_DEFAULTS = {"clevr": dict(seed=2021)}
 

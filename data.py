@@ -391,7 +391,7 @@ MAX_WORKERS = 256  # more than any machine's loading needs; a typo's thousands o
 def loader_workers(workers, device):
     """Loader processes: `workers` (--workers) if 0 or more; for -1, this process's share of `cores()` less
     one, at most 8, and none for CPU training on two cores or fewer: its threads keep both cores busy, and a
-    loader process only takes turns with them (300 steps in 70-73 s, not 79-80: README)."""
+    loader process only takes turns with them (300 steps in 70-73 s, not 79-80: docs/offline-default.md)."""
     if workers >= 0:
         return workers
     share = cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))

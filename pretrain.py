@@ -5,7 +5,7 @@ with a description of one of its objects, written from its scene graph; CLIP's s
 learnable temperature ranks it against the other scenes' descriptions, and also against the same description
 with one attribute swapped so that it fits no object of the scene (hard negative texts, as NegCLIP).
 
-    python pretrain.py                            # about an hour on 2 CPU cores: out/pretrain/clip.pt
+    python pretrain.py                            # 50 min of training on 2 CPU cores: out/pretrain/clip.pt
     python pretrain.py --scenes 2000 --epochs 2   # a quick try
 
 clip.pt holds the CLIP of the best epoch by zero-shot accuracy, in OpenAI's layout (fp16), which

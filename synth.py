@@ -328,7 +328,7 @@ def grade(items, preds):
             "distractor": share(preds[i.id].lower().strip(" .") in NO_CHANGE for i in items if i.change_type == "distractor")}
 
 
-PAIRS = 5600  # the offline default: train 5,200, val 200, test 200 (see the README on why so many)
+PAIRS = 5600  # the offline default: train 5,200, val 200, test 200 (docs/offline-default.md says why so many)
 
 
 def check_root(root):
