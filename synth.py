@@ -324,7 +324,7 @@ def grade(items, preds):
         return 100.0 * sum(hits) / len(hits) if hits else None
     return {"change": share(says_change(c, scene) for c, scene in changes),
             "shape": share(named_shape(c) == next(o for o in changed_object(scene) if o)["shape"] for c, scene in changes),
-            "move": share(any(verb in c for verb in SAYS["move"]) for c, scene in changes if scene["change_type"] == "move"),
+            "move": share(says_change(c, scene) for c, scene in changes if scene["change_type"] == "move"),
             "distractor": share(preds[i.id].lower().strip(" .") in NO_CHANGE for i in items if i.change_type == "distractor")}
 
 
