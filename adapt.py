@@ -8,15 +8,18 @@ Any field of AdaptConfig is a flag (--epochs 3, --n_intra 8 --n_inter 4, --compi
 several GPUs through torchrun (see train.py). The training loop is train.fit, shared with caption.py.
 """
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 import cli
 import clip_weights
 import data
 import evaluate
+import tokenizer
 import train
 from cli import InputError
 from model import CLIP4IDC, CLIP4IDCConfig, CLIPConfig
@@ -56,6 +59,8 @@ class AdaptConfig:  # defaults: Appendix B and the authors' code
     resume: bool = False  # continue the run in --out_dir from its last.pt
     overwrite: bool = False  # replace the run in --out_dir with a new one
     recipe: Literal["paper", "authors"] = "paper"  # paper: the paper and our choices; authors: as their code trains (README)
+    hard_negatives: int = 0  # rewritten false captions per sample as IP-T's extra columns (IDC-PCL's FDA; 0: the paper's)
+    rewrites: str = "retrieve,replace,confuse"  # with --hard_negatives: the kinds of rewrite, shared out evenly (HardNegatives)
 
 
 # The offline default: what `--data synth` changes unless a flag says otherwise (docs/offline-default.md says why).
@@ -78,7 +83,102 @@ def freeze_as_authors(clip, keep=()):
             p.requires_grad_(False)
 
 
+# ---- Hard negatives: IDC-PCL's Fine-grained Difference Aligning, beyond CLIP4IDC (the README's method table)
+# Replace's word classes, each a tuple of values and each value a tuple of synonyms: a word is swapped for another
+# value of its class, never for a synonym (cube / block). Only the values the training captions use are drawn.
+WORD_CLASSES = ((("gray", "grey"), ("red",), ("blue",), ("green",), ("brown",), ("purple",), ("cyan",), ("yellow",),
+                 ("black",), ("white",), ("orange",), ("pink",)),
+                (("rubber", "matte"), ("metal", "metallic", "shiny")), (("cube", "block"), ("sphere", "ball"), ("cylinder",)),
+                (("small", "tiny", "little"), ("large", "big")), (("added",), ("removed",), ("moved",)),
+                (("appeared",), ("disappeared",)), (("left",), ("right",)), (("top",), ("bottom",)), (("above",), ("below",)),
+                (("one",), ("two",), ("three",), ("four",), ("five",)))
+KINDS = ("retrieve", "replace", "confuse")
+
+
+class HardNegatives:
+    """Each (pair, caption) sample's `n` captions that are false in one detail, shared out evenly over `kinds`
+    (IDC-PCL's 2:2:2 for n = 6), as BPE ids [n, context_length]. They are IP-T's extra columns (Eq. 6, see
+    model.contrastive_loss). A rewrite equal to one of the pair's own captions is drawn again.
+
+    retrieve: the training captions most similar to this one by TF-IDF, but the pair's own;
+    replace: one word of a class in WORD_CLASSES becomes another value of its class; a caption with none swaps
+      one of its words seen in at least 10 training captions (the 30 most frequent aside) for another such word;
+    confuse: two words of one class that name different values trade places ("the red cube turned blue" ->
+      "the blue cube turned red"); a caption with no such pair has its words shuffled."""
+
+    def __init__(self, pairs, n, kinds, context_length):
+        self.plan = [kinds[i * len(kinds) // n] for i in range(n)]
+        self.context_length, tok = context_length, tokenizer.get_tokenizer()
+        self.words = {c: tuple(tokenizer.TOKEN_PATTERN.findall(tokenizer.clean(c))) for p in pairs for c in p.captions}
+        self.unique = list(dict.fromkeys(self.words.values()))
+        frequency = Counter(w for words in self.unique for w in set(words))  # in how many captions a word stands
+        self.ids = {w: tok.encode(w) for w in frequency}
+        classes = [[kept for v in values if (kept := tuple(w for w in v if w in frequency))] for values in WORD_CLASSES]
+        classes = [c for c in classes if len(c) > 1]
+        self.value_of = {w: (c, v) for c in classes for v in c for w in v}
+        self.fallback = dict.fromkeys(w for w, k in frequency.most_common()[30:]
+                                      if k >= 10 and w.isalpha() and w not in self.value_of)  # an ordered set
+        self.similar = self.most_similar(self.unique, frequency, k=n + max(len(p.captions) for p in pairs))
+        self.row = {words: i for i, words in enumerate(self.unique)}
+
+    @staticmethod
+    def most_similar(unique, frequency, k):
+        """For each caption (a tuple of words), the rows of the k most similar by TF-IDF cosine, itself among them."""
+        column = {w: i for i, w in enumerate(frequency)}
+        tf = torch.zeros(len(unique), len(column))
+        for row, words in enumerate(unique):
+            for w in words:
+                tf[row, column[w]] += 1
+        x = F.normalize(tf * torch.tensor([math.log(len(unique) / f) for f in frequency.values()]), dim=1)
+        return torch.cat([(part @ x.t()).topk(min(k, len(unique)), dim=1).indices for part in x.split(4096)]).tolist()
+
+    def replace(self, words, rng):
+        spots = [i for i, w in enumerate(words) if w in self.value_of] or [i for i, w in enumerate(words) if w in self.fallback]
+        if not spots:
+            return None
+        i = rng.choice(spots)
+        if words[i] in self.value_of:
+            values, value = self.value_of[words[i]]
+            others = [w for v in values if v != value for w in v]
+        else:
+            others = [w for w in self.fallback if w != words[i]]
+        return words[:i] + (rng.choice(others),) + words[i + 1:] if others else None
+
+    def confuse(self, words, rng):
+        swaps = [(i, j) for i, a in enumerate(words) for j, b in enumerate(words[:i])
+                 if a in self.value_of and b in self.value_of and self.value_of[a][0] is self.value_of[b][0]
+                 and self.value_of[a][1] != self.value_of[b][1]]
+        if not swaps:
+            return tuple(rng.sample(words, len(words)))
+        i, j = rng.choice(swaps)
+        out = list(words)
+        out[i], out[j] = words[j], words[i]
+        return tuple(out)
+
+    def canonical(self, words):
+        """The words with each synonym as the first of its value: "a tiny block" is "a small cube"."""
+        return tuple(self.value_of[w][1][0] if w in self.value_of else w for w in words)
+
+    def __call__(self, pair, caption, rng):
+        taken, words = {self.canonical(self.words[c]) for c in pair.captions}, self.words[caption]
+        retrieved = (self.unique[j] for j in self.similar[self.row[words]])
+        draws = {"retrieve": lambda: next(retrieved, None), "replace": lambda: self.replace(words, rng),
+                 "confuse": lambda: self.confuse(words, rng)}
+        out = []
+        for kind in self.plan:  # a kind that cannot make a new false caption of this one leaves it to the others
+            tries = (draw() for k in (kind, *KINDS)
+                     for draw in [draws[k]] * (len(self.similar[0]) if k == "retrieve" else 10))
+            found = next((t for t in tries if t is not None and self.canonical(t) not in taken), None)
+            if found is None:
+                raise InputError(f"--hard_negatives: no false rewrite of the caption '{caption}' of pair {pair.id}")
+            taken.add(self.canonical(found))
+            out.append(found)
+        return tokenizer.to_tensor([[i for w in words for i in self.ids[w]] for words in out], self.context_length)
+
+
 def build_model(cfg):
+    if not set(cfg.rewrites.split(",")) <= set(KINDS):
+        raise InputError(f"--rewrites {cfg.rewrites}: expected some of {','.join(KINDS)}, comma-separated")
     if cfg.init == "openai" and cfg.preset == "small" and cfg.data != "synth":  # on synth, the default of both
         raise InputError("--preset small: the shape of a CLIP from random weights (--init random); with --init openai, "
                          "the --clip file gives it")
@@ -114,8 +214,10 @@ def main(argv=None):
           f"{model.config.n_intra} intra + {model.config.n_inter} inter layers")
     splits, store = train.prepare_data(cfg, model.config.clip.image_size,
                                        lambda pairs: sum(len(p.captions) for p in pairs))  # a sample per caption
+    negatives = HardNegatives(splits["train"], cfg.hard_negatives, cfg.rewrites.split(","),
+                              model.config.context_length) if cfg.hard_negatives else None
     train_set = data.AdaptDataset(splits["train"], model.config.clip.image_size, model.config.context_length,
-                                  cfg.seed, store)
+                                  cfg.seed, store, negatives)
 
     def retrieval(split):
         return evaluate.retrieval(model, splits[split], device, store, cfg.amp, cfg.workers)

@@ -5,6 +5,7 @@
     python bench.py decode --beams 1 3 5      # ... and the time a pair by beam width (1: greedy)
     python bench.py train --stage 1           # a training step at full ViT-B/32 size: pairs/s, FLOPs, MFU
     python bench.py train --stage 2 --data_root data/synth --fit_steps 300   # ... and the whole loop on real data
+    python bench.py train --stage 1 --preset small --batch 48 --hard_negatives 0 6 --amp off --modes eager  # their cost
     python bench.py loader --data_root data/synth   # loader pairs/s by workers, from PNG files and the ImageStore
 
 clip: the median time of encode_image and encode_text for our CLIP and OpenAI's, on the same random
@@ -112,20 +113,22 @@ def bench_decode(args):
 
 
 # ---- train, loader ------------------------------------------------------------------------------
-def stage_model(args):
-    """The stage's model at the paper's size (or the offline preset) and a random batch of its shape."""
+def stage_model(args, negatives=0):
+    """The stage's model at the paper's size (or the offline preset) and a random batch of its shape, in stage 1
+    with `negatives` hard-negative captions a pair."""
     clip = adapt.SMALL_CLIP if args.preset == "small" else CLIPConfig()
     n_intra = adapt.SYNTH_DEFAULTS["n_intra"] if args.preset == "small" else 9
     encoder = CLIP4IDC(CLIP4IDCConfig(clip=clip, n_intra=n_intra))
     size, b = clip.image_size, args.batch
-    lengths = torch.randint(6, 20, (b * (2 if args.stage == 2 else 1),))  # where EOT sits: CLEVR-Change-like
+    lengths = torch.randint(6, 20, (b * (2 if args.stage == 2 else 1 + negatives),))  # where EOT sits: CLEVR-Change-like
     words = range(1, 74) if args.preset == "small" else range(1, 40000)  # the offline captioner: 73 words + EOT
     ids = torch.randint(words.start, words.stop, (len(lengths), 32))
     ids[torch.arange(len(lengths)), lengths] = EOT
     ids[torch.arange(32) > lengths[:, None]] = 0
     pixels = torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8)
     if args.stage == 1:
-        return encoder, (pixels, torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8), ids)
+        batch = pixels, torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8), ids[:b]
+        return encoder, batch + ((ids[b:].view(b, negatives, 32),) if negatives else ())
     small = {k: caption.SYNTH_DEFAULTS[k] for k in ("heads", "ffn", "dropout", "attn_dropout")}  # the offline captioner
     config = CaptionerConfig(**small, vocab=(*words, EOT)) if args.preset == "small" else CaptionerConfig()
     captioner = Captioner(encoder, config)
@@ -172,30 +175,35 @@ def bench_train(args):
     device = train.setup_device(args)  # TF32 matrix products on, as in the runs
     # train.fit's data first: a dataset it cannot read is told before the minutes of timing, not after them
     fit_data = train_pairs_and_store(args) if args.data_root else None
-    torch.manual_seed(0)
-    model, batch = stage_model(args)
-    model, batch = model.to(device).train(), [t.to(device) for t in batch]
-    flops, pairs = step_flops(model, batch), batch[1].shape[:-3].numel()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else next((v for k, v in BF16_PEAK.items() if k in name), None)
-    print(f"stage {args.stage}, {args.preset}, batch {args.batch} ({pairs} pairs), {flops / 1e12:.3g} TFLOP per step, "
-          f"on {name}, torch {torch.__version__}")
-    for amp in args.amp:
-        for mode in args.modes:
-            rate = step_rate(model, batch, device, amp, mode, args.steps)
-            mfu = f"   MFU {100 * flops * rate / peak:.1f}% of {peak / 1e12:.0f} TFLOP/s" if peak and amp == "bf16" else ""
-            print(f"  {mode:<15} {amp:<4}  {rate * pairs:9.1f} pairs/s   {flops * rate / 1e12:7.3g} TFLOP/s{mfu}",
-                  flush=True)
-    if fit_data:
-        fit_rate(args, device, *fit_data)
+    for negatives in args.hard_negatives:
+        torch.manual_seed(0)
+        model, batch = stage_model(args, negatives)
+        model, batch = model.to(device).train(), [t.to(device) for t in batch]
+        flops, pairs = step_flops(model, batch), batch[1].shape[:-3].numel()
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else next((v for k, v in BF16_PEAK.items() if k in name), None)
+        print(f"stage {args.stage}, {args.preset}, batch {args.batch} ({pairs} pairs), {negatives} hard negatives a "
+              f"pair, {flops / 1e12:.3g} TFLOP per step, on {name}, torch {torch.__version__}")
+        for amp in args.amp:
+            for mode in args.modes:
+                rate = step_rate(model, batch, device, amp, mode, args.steps)
+                mfu = f"   MFU {100 * flops * rate / peak:.1f}% of {peak / 1e12:.0f} TFLOP/s" if peak and amp == "bf16" else ""
+                print(f"  {mode:<15} {amp:<4}  {rate * pairs:9.1f} pairs/s   {flops * rate / 1e12:7.3g} TFLOP/s{mfu}",
+                      flush=True)
+        if fit_data:
+            fit_rate(args, device, *fit_data, negatives)
 
 
-def fit_rate(args, device, pairs, size, store):
+def fit_rate(args, device, pairs, size, store, negatives):
     """train.fit on real data, read through the runs' ImageStore, validation left out: the printed pairs/s."""
     torch.manual_seed(0)
     model = stage_model(args)[0].to(device)
     config_cls = adapt.AdaptConfig if args.stage == 1 else caption.CaptionConfig
-    dataset = (data.AdaptDataset if args.stage == 1 else data.CaptionDataset)(pairs, size, 32, 0, store)
+    if args.stage == 1:
+        rewrite = adapt.HardNegatives(pairs, negatives, adapt.KINDS, 32) if negatives else None
+        dataset = data.AdaptDataset(pairs, size, 32, 0, store, rewrite)
+    else:
+        dataset = data.CaptionDataset(pairs, size, 32, 0, store)
     dataset = Repeat(dataset, args.fit_steps * args.batch)  # one epoch: fit writes last.pt at each epoch's end
     with tempfile.TemporaryDirectory() as out:
         cfg = config_cls(data=args.data, out_dir=out, batch_size=args.batch, amp=args.amp[-1],
@@ -271,6 +279,8 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", default=["eager", "default"], help="train: eager, or torch.compile modes",
                         choices=("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     parser.add_argument("--steps", type=int, default=20, help="train: timed steps")
+    parser.add_argument("--hard_negatives", type=int, nargs="+", default=[0],
+                        help="train, stage 1: time the step with each of these numbers of hard negatives a pair")
     parser.add_argument("--peak_tflops", type=float, help="train: the device's dense bf16 peak, for MFU")
     parser.add_argument("--data", default="synth", choices=("synth", "clevr", "spot", "ier"))
     parser.add_argument("--data_root", help="train: also time train.fit on this dataset; loader: the dataset")
@@ -287,13 +297,17 @@ def main(argv=None):
         parser.error(f"--workers {args.workers}: expected -1 (from the machine's cores) or 0 to {data.MAX_WORKERS}")
     if bad := [n for n in args.workers_list if not 0 <= n <= data.MAX_WORKERS]:
         parser.error(f"--workers_list {bad[0]}: expected worker counts of 0 to {data.MAX_WORKERS}")
+    if bad := [n for n in args.hard_negatives if not 0 <= n <= 64]:
+        parser.error(f"--hard_negatives {bad[0]}: expected 0 to 64 a pair")
+    if args.stage == 2 and args.hard_negatives != [0]:
+        parser.error("--hard_negatives has no use in stage 2: they are stage 1's extra captions")
     if bad := [n for n in args.beams or () if n < 1]:
         parser.error(f"--beams {bad[0]}: expected beam widths of 1 or more")
     if args.what == "loader" and not args.data_root:
         parser.error("loader times a dataset's loading: give its folder as --data_root")
     fit = ("data", "fit_steps", "workers")  # train reads them only to time train.fit on --data_root
     uses = {"clip": ("images", "texts", "repeats"), "decode": ("pairs", "repeats", "beams"),
-            "train": ("stage", "preset", "batch", "device", "amp", "modes", "steps", "peak_tflops", "data_root",
+            "train": ("stage", "preset", "batch", "device", "amp", "modes", "steps", "peak_tflops", "data_root", "hard_negatives",
                       *(fit if args.data_root else ())),
             "loader": ("stage", "preset", "batch", "data", "data_root", "workers_list", "seconds")}[args.what]
     if unused := [f for f in vars(args) if f not in ("what", *uses) and getattr(args, f) != parser.get_default(f)]:

@@ -299,22 +299,24 @@ class AdaptDataset(torch.utils.data.Dataset):
 
     On CLEVR-Change the before image is the distractor with probability 0.5 and the caption stays,
     so the pair encoder learns to tell a scene change from a change of viewpoint or light. Images
-    are uint8; `store` (an image_store.ImageStore) serves them instead of the files.
+    are uint8; `store` (an image_store.ImageStore) serves them instead of the files. `negatives(pair, caption,
+    rng)`, if given, adds the sample's hard negatives' ids [N, L] (adapt.HardNegatives).
     """
 
-    def __init__(self, pairs, image_size, context_length=32, seed=42, store=None):
+    def __init__(self, pairs, image_size, context_length=32, seed=42, store=None, negatives=None):
         self.samples = [(pair, caption) for pair in pairs for caption in pair.captions]
         self.tokens = tokenize([caption for _, caption in self.samples], context_length)  # once, not per epoch
-        self.size, self.seed, self.load = image_size, seed, store or read_pixels
+        self.size, self.seed, self.load, self.negatives = image_size, seed, store or read_pixels, negatives
 
     def __len__(self):
         return len(self.samples)
 
     def __getitem__(self, key):
-        pair = self.samples[key[1]][0]
-        swap = pair.distractor is not None and sample_rng(self.seed, *key).random() < 0.5
+        (pair, caption), rng = self.samples[key[1]], sample_rng(self.seed, *key)
+        swap = pair.distractor is not None and rng.random() < 0.5
         before = self.load(pair.distractor if swap else pair.before, self.size)
-        return before, self.load(pair.after, self.size), self.tokens[key[1]]
+        sample = before, self.load(pair.after, self.size), self.tokens[key[1]]
+        return sample + (self.negatives(pair, caption, rng),) if self.negatives else sample
 
 
 class CaptionDataset(torch.utils.data.Dataset):

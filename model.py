@@ -268,11 +268,24 @@ class CLIP4IDC(nn.Module):
         """g in Eq. 1: CLIP's text encoder, read at the EOT token."""
         return self.clip.encode_text(tokens)
 
-    def forward(self, before, after, tokens):
-        """The adaptation loss L of Eq. 8 for a batch of B aligned (pair, caption) samples."""
+    def encode_text_by_length(self, tokens, groups=4):
+        """encode_text in `groups` of captions of like length, each cut after its own longest (see skip_padding):
+        hard negatives make the captions many, and the padding to the longest most of their cost."""
+        if not skip_padding(tokens):
+            return self.encode_text(tokens)
+        order = (tokens == EOT).int().argmax(dim=1).argsort()
+        return torch.cat([self.encode_text(tokens[rows]) for rows in order.chunk(groups)])[order.argsort()]
+
+    def forward(self, before, after, tokens, negatives=None):
+        """The adaptation loss L of Eq. 8 for a batch of B aligned (pair, caption) samples; `negatives` [B, N, L]:
+        each pair's hard-negative captions (adapt.HardNegatives), extra IP-T columns."""
         v = self.pool(self.encode_pair(before, after))
-        g = self.encode_text(tokens)
-        loss = contrastive_loss(v, g, self.clip.logit_scale)
+        if negatives is None:
+            g, h = self.encode_text(tokens), None
+        else:
+            texts = self.encode_text_by_length(torch.cat([tokens, negatives.flatten(0, 1)]))
+            g, h = texts[:len(tokens)], texts[len(tokens):].unflatten(0, negatives.shape[:2])
+        loss = contrastive_loss(v, g, self.clip.logit_scale, h)
         return loss / 2 if self.config.average_directions else loss
 
 
@@ -304,14 +317,18 @@ def global_mean(total, count):
     return total / count
 
 
-def contrastive_loss(v, g, logit_scale):
+def contrastive_loss(v, g, logit_scale, h=None):
     """Eq. 6-8: cross-entropy over the B x B cosine similarities s(v, g) / tau, both directions,
-    B the global batch (all processes' pairs and captions)."""
+    B the global batch (all processes' pairs and captions). h [B, N, D]: each pair's N hard-negative
+    captions, N more columns of its own in IP-T (IDC-PCL's FDA, beyond the paper); T-IP stays B x B."""
     v, g = gather_batch(v), gather_batch(g)
     with torch.autocast(v.device.type, enabled=False):  # logits near 1/tau = 100 need fp32, not bf16
-        logits = logit_scale.exp() * F.normalize(v.float(), dim=-1) @ F.normalize(g.float(), dim=-1).t()
+        v = logit_scale.exp() * F.normalize(v.float(), dim=-1)
+        logits = v @ F.normalize(g.float(), dim=-1).t()
+        if h is not None:
+            hard = F.normalize(gather_batch(h).float(), dim=-1) @ v[:, :, None]  # [B, N, 1]
     labels = torch.arange(len(logits), device=logits.device)
-    loss_i2t = F.cross_entropy(logits, labels)  # IP-T, Eq. 6
+    loss_i2t = F.cross_entropy(logits if h is None else torch.cat([logits, hard[:, :, 0]], 1), labels)  # IP-T, Eq. 6
     loss_t2i = F.cross_entropy(logits.t(), labels)  # T-IP, Eq. 7
     return loss_i2t + loss_t2i  # Eq. 8 sums the two (the authors' code averages them)
 

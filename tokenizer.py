@@ -98,9 +98,13 @@ def tokenize(texts, context_length=77):
         texts = [texts]
     if not (isinstance(texts, (list, tuple)) and all(isinstance(t, str) for t in texts)):
         raise TypeError(f"tokenize takes a string or a list of strings, not {texts!r:.80}")
-    tok = get_tokenizer()
-    out = torch.zeros(len(texts), context_length, dtype=torch.long)
-    for row, text in enumerate(texts):
-        ids = ([SOT] + tok.encode(text))[:context_length - 1] + [EOT]  # clip's truncate=True: [EOT] alone at length 1
+    return to_tensor([get_tokenizer().encode(text) for text in texts], context_length)
+
+
+def to_tensor(encoded, context_length):
+    """Lists of BPE ids -> [N, context_length]: SOT + ids + EOT, zero padded, cut as tokenize cuts."""
+    out = torch.zeros(len(encoded), context_length, dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        ids = ([SOT] + ids)[:context_length - 1] + [EOT]  # clip's truncate=True: [EOT] alone at length 1
         out[row, :len(ids)] = torch.tensor(ids)
     return out

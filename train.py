@@ -46,7 +46,7 @@ LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), 
           "lr_clip": (0, None), "weight_decay": (0, None), "grad_clip": (0, None), "warmup": (0, 1), "beta2": (0, 0.9999),
           "dropout": (0, 0.99), "attn_dropout": (0, 0.99), "n_intra": (0, None), "n_inter": (0, None), "layers": (1, None),
           "heads": (1, None), "ffn": (1, None), "max_len": (2, None), "seed": (0, 2**32 - 1),
-          "beam": (1, None), "length_penalty": (0, None),
+          "beam": (1, None), "length_penalty": (0, None), "hard_negatives": (0, 64),
           "scenes": (1, None), "negatives": (0, 5), "relations": (0, 1),
           "width": (64, None), "vision_layers": (1, None), "text_layers": (1, None)}
 # What a resumed run may change: nothing that shapes the model, the optimiser, the data order or the schedule.

@@ -229,6 +229,9 @@ def test_the_folder_of_a_killed_run_is_free_at_once_for_its_resume(tmp_path):
     (["--data", "clevr"], "data/clevr: no such folder (--data_root); expected CLEVR-Change's layout"),
     (["--data", "clevr", "--data_root", "nowhere"], "nowhere: no such folder (--data_root); expected CLEVR-Change's"),
     (["--resume", "--overwrite"], "--resume continues the run in --out_dir and --overwrite starts it anew: give one"),
+    (["--hard_negatives", "-1"], "--hard_negatives -1: expected a value in [0, 64]"),
+    (["--hard_negatives", "65"], "--hard_negatives 65: expected a value in [0, 64]"),
+    (["--rewrites", "retrieve,swap"], "--rewrites retrieve,swap: expected some of retrieve,replace,confuse, comma-separated"),
 ])
 def test_flags_are_checked_before_anything_is_built(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)  # data/ and out/ are relative to here
@@ -384,6 +387,8 @@ def test_a_mistyped_flag_is_one_line_without_the_usage(argv):
     (["decode", "--pairs", str(2**63)], f"--pairs {2**63}: expected a value below 2**63, as torch's sizes and counts"),
     (["clip", "--images", str(10**20)], f"--images {10**20}: expected a value below 2**63, as torch's sizes and counts"),
     (["train", "--modes", "eagr"], "argument --modes: invalid choice: 'eagr'"),
+    (["train", "--hard_negatives", "0", "65"], "--hard_negatives 65: expected 0 to 64 a pair"),
+    (["train", "--stage", "2", "--hard_negatives", "6"], "--hard_negatives has no use in stage 2"),
     (["train", "--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
     (["loader", "--data_root", ".", "--workers_list", "-2"], "--workers_list -2: expected worker counts of 0 to 256"),
     (["loader", "--data_root", ".", "--workers_list", "4", "4000"], "--workers_list 4000: expected worker counts of 0 to 256"),

@@ -1,6 +1,7 @@
 """Several processes through torchrun (gloo on CPU): 2 processes with half the global batch each
-train both stages to the weights of 1 process with the whole batch and print its losses, a killed
-2-process run resumes to the same weights, and each process draws its own dropout masks."""
+train both stages (stage 1 with hard negatives) to the weights of 1 process with the whole batch and
+print its losses, a killed 2-process run resumes to the same weights, and each process draws its own
+dropout masks."""
 import dataclasses
 import os
 import re
@@ -24,7 +25,8 @@ from tiny import tiny_clip_config
 ROOT = Path(__file__).parent.parent
 # gloo, on any machine: a CUDA host may have fewer GPUs than processes
 CPU = ["--device", "cpu", "--workers", "0", "--log_every", "2"]
-STAGE_1 = [*CPU, "--epochs", "1", "--max_steps", "8", "--batch_size", "8", "--save_every", "2"]
+# stage 1 with hard negatives: each process rewrites its own samples' captions, and Eq. 6 gathers them
+STAGE_1 = [*CPU, "--epochs", "1", "--max_steps", "8", "--batch_size", "8", "--save_every", "2", "--hard_negatives", "3"]
 STAGE_2 = [*CPU, "--epochs", "1", "--max_steps", "4", "--batch_size", "4", "--layers", "1", "--ffn", "64",
            "--dropout", "0"]  # dropout draws other masks in 2 processes than in 1
 
