@@ -65,12 +65,13 @@ def load(name_or_path, device="cpu", root=CACHE_DIR):
         raise InputError(f"{path}: SHA-256 {digest}, not that of the file shipped there ({SHIPPED[path.name]}); restore "
                          "it with `git checkout` or remake it as assets/README.md says")
     sd, recorded = read_source(path)
+    config = config_from_state_dict(sd, path)
     if name_or_path in MODELS or shipped:  # OpenAI's releases, and pretrain.py's CLIP
         recorded["activation"] = "quick_gelu"
     if "activation" not in recorded:  # LAION's and OpenAI's state dicts have the same names and shapes
         print(f"{path}: records no activation; QuickGELU assumed, as OpenAI's CLIPs use (LAION's open_clip models use GELU: "
               f"put their {OPEN_CLIP_CONFIG} beside the file)")
-    model = CLIP(replace(config_from_state_dict(sd, path), **recorded))
+    model = CLIP(replace(config, **recorded))
     load_weights(model, sd, path)
     return model.to(device).eval()
 
