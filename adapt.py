@@ -31,7 +31,7 @@ SMALL_CLIP = CLIPConfig(embed_dim=64, image_size=128, patch_size=16, vision_widt
 
 @dataclass
 class AdaptConfig:  # defaults: Appendix B and the authors' code
-    data: Literal["synth", "clevr", "spot", "ier"] = "synth"  # dataset: synth is the offline CLEVR-Change look-alike
+    data: Literal["synth", "clevr", "spot", "ier", "birds", "clevr_dc"] = "synth"  # synth: the offline CLEVR-Change look-alike
     data_root: str = ""  # dataset folder (default: data/<data>)
     out_dir: str = ""  # run folder for checkpoints and metrics (default: out/adapt-<data>)
     preset: Literal["vit-b/32", "small"] = "vit-b/32"  # with --init random, CLIP's shape: the paper's, or small enough for a CPU
@@ -68,8 +68,9 @@ class AdaptConfig:  # defaults: Appendix B and the authors' code
 # its rate, which suits random weights of its shape (--init random) as well.
 SYNTH_DEFAULTS = dict(preset="small", init="openai", clip="assets/clip_synth.pt", n_intra=2, n_inter=2, epochs=5,
                       batch_size=48, lr=4e-3, lr_clip=1e-3, weight_decay=0.05, cache=True)
-# --recipe authors: their script adapts 20 epochs on Spot-the-Diff (12 on CLEVR-Change, as the paper says).
-AUTHORS_DEFAULTS = {"spot": dict(epochs=20)}
+# --recipe authors: their script adapts 20 epochs on Spot-the-Diff (12 on CLEVR-Change, as the paper says); they have
+# none for Birds-to-Words, which takes Spot-the-Diff's (README), and CLEVR-DC, which takes CLEVR-Change's.
+AUTHORS_DEFAULTS = {"spot": dict(epochs=20), "birds": dict(epochs=20)}
 # The CLIP parameters that the authors' scripts freeze in both stages (their --freeze_layer_num 0):
 # the image tower's patch, class and position embeddings and ln_pre, the text tower's embeddings.
 AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre.weight",

@@ -282,7 +282,7 @@ def main(argv=None):
     parser.add_argument("--hard_negatives", type=int, nargs="+", default=[0],
                         help="train, stage 1: time the step with each of these numbers of hard negatives a pair")
     parser.add_argument("--peak_tflops", type=float, help="train: the device's dense bf16 peak, for MFU")
-    parser.add_argument("--data", default="synth", choices=("synth", "clevr", "spot", "ier"))
+    parser.add_argument("--data", default="synth", choices=("synth", "clevr", "spot", "ier", "birds", "clevr_dc"))
     parser.add_argument("--data_root", help="train: also time train.fit on this dataset; loader: the dataset")
     parser.add_argument("--fit_steps", type=int, default=200)
     parser.add_argument("--workers", type=int, default=-1, help="train: loader processes of train.fit")

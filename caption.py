@@ -29,7 +29,7 @@ from model import CLIP4IDC, IGNORE, Captioner, CaptionerConfig, next_tokens
 
 @dataclass
 class CaptionConfig:  # defaults: Appendix B and the authors' code
-    data: Literal["synth", "clevr", "spot", "ier"] = "synth"  # dataset: synth is the offline CLEVR-Change look-alike
+    data: Literal["synth", "clevr", "spot", "ier", "birds", "clevr_dc"] = "synth"  # synth: the offline CLEVR-Change look-alike
     data_root: str = ""  # dataset folder (default: data/<data>)
     out_dir: str = ""  # run folder for checkpoints, metrics and predictions (default: out/caption-<data>)
     init_from: str = ""  # the pair encoder: a stage-1 checkpoint, ours or the authors' (default: out/adapt-<data>/best.pt), or openai
@@ -75,8 +75,8 @@ class CaptionConfig:  # defaults: Appendix B and the authors' code
 # about 40% off the time of a step (docs/offline-default.md).
 SYNTH_DEFAULTS = dict(clip="assets/clip_synth.pt", n_intra=2, n_inter=2, heads=4, ffn=512, dropout=0.0, attn_dropout=0.0,
                       epochs=6, lr=1e-3, lr_clip=1e-3, beta2=0.98, vocab="train", cache=True)
-# --recipe authors: their script for CLEVR-Change seeds stage 2 with 2021.
-AUTHORS_DEFAULTS = {"clevr": dict(seed=2021)}
+# --recipe authors: their script for CLEVR-Change seeds stage 2 with 2021; CLEVR-DC takes CLEVR-Change's (README).
+AUTHORS_DEFAULTS = {"clevr": dict(seed=2021), "clevr_dc": dict(seed=2021)}
 
 
 def build_captioner(cfg, device):
@@ -112,8 +112,8 @@ def build_captioner(cfg, device):
     except ValueError as e:  # flags the pair encoder cannot take, such as a --max_len beyond its text positions
         flag = "--" if str(e).startswith(("heads ", "max_len ")) else ""  # the model's words name a field, not its flag
         raise InputError(flag + str(e)) from None
-    if cfg.recipe == "authors":  # on Spot-the-Diff their stage 2 trains the token embedding, at CLIP's rate
-        freeze_as_authors(encoder.clip, keep=("token_embedding.weight",) if cfg.data == "spot" else ())
+    if cfg.recipe == "authors":  # their Spot-the-Diff stage 2 trains the token embedding at CLIP's rate; Birds-to-Words too
+        freeze_as_authors(encoder.clip, keep=("token_embedding.weight",) if cfg.data in ("spot", "birds") else ())
     return captioner
 
 

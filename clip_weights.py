@@ -1,19 +1,25 @@
-"""Weights into the models of model.py: OpenAI's released CLIP ViTs, and this project's checkpoints.
+"""Weights into the models of model.py: CLIP ViTs as OpenAI, Hugging Face transformers and open_clip save them, and
+this project's checkpoints.
 
     model = clip_weights.load("ViT-B/32")          # downloads once into ~/.cache/clip
-    model = clip_weights.load("path/to/ViT-B-32.pt")  # OpenAI's TorchScript archive, or a state dict
+    model = clip_weights.load("path/to/ViT-B-32.pt")  # OpenAI's TorchScript archive, or a state dict (.safetensors too)
+    model = clip_weights.load("openai/clip-vit-base-patch32")  # a model id in the local Hugging Face cache, or its folder
+    model = clip_weights.load("open_clip_pytorch_model.bin")  # open_clip's, with open_clip_config.json beside it
     model = clip_weights.load_checkpoint("out/caption-clevr/best.pt")  # a run of adapt.py or caption.py
     model = clip_weights.load_checkpoint("pytorch_model.bin.clevr")   # the authors' released stage 1 or 2
 
-Our CLIP parameter names are OpenAI's, so that key mapping is the identity; the architecture is
-read off the tensor shapes, which is why ViT-B/16 and ViT-L/14 load as well. The authors' names
+Our CLIP parameter names are OpenAI's, and so are open_clip's: that key mapping is the identity; transformers'
+names are mapped key by key (`HF_NAMES`). The architecture is read off the tensor shapes, which is why ViT-B/16
+and ViT-L/14 load as well; the heads and the MLPs' activation, where the source records them. The authors' names
 for the pair encoder and the captioner are mapped to ours key by key (`authors_names`).
 """
 import errno
 import hashlib
 import http.client
+import json
 import os
 import pickle
+import re
 import sys
 import tempfile
 import time
@@ -21,13 +27,14 @@ import urllib.error
 import urllib.request
 import warnings
 import zipfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from cli import InputError, format_eta, new_folders, out_of_memory
-from model import CLIP, CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
+from model import ACTIVATIONS, CLIP, CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 
 MODELS = {  # the SHA-256 of each file is the path component before its name
     "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
@@ -45,16 +52,26 @@ CHUNK = 1 << 20
 
 
 def load(name_or_path, device="cpu", root=CACHE_DIR):
-    """A model.CLIP holding OpenAI's weights, from a release name or a local file."""
+    """A model.CLIP holding CLIP weights: OpenAI's by release name, a local file or folder (`read_source`), or a
+    Hugging Face model id found in the local cache. Where the source does not record the MLPs' activation,
+    QuickGELU is assumed, as OpenAI's CLIPs use, and a line says so."""
     path = download(MODELS[name_or_path], root) if name_or_path in MODELS else Path(name_or_path)
-    if not path.is_file():
-        what = "a folder" if path.is_dir() else "no such file"
-        raise FileNotFoundError(f"{path}: {what}; expected a checkpoint file or one of {', '.join(MODELS)}")
-    if path.resolve().parent == ASSETS and path.name in SHIPPED and (digest := sha256(path)) != SHIPPED[path.name]:
+    if not path.exists() and HF_ID.fullmatch(str(name_or_path)):
+        path = hf_cached(str(name_or_path))
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file; expected a checkpoint file or folder, or one of {', '.join(MODELS)}")
+    shipped = path.resolve().parent == ASSETS and path.name in SHIPPED
+    if shipped and (digest := sha256(path)) != SHIPPED[path.name]:
         raise InputError(f"{path}: SHA-256 {digest}, not that of the file shipped there ({SHIPPED[path.name]}); restore "
                          "it with `git checkout` or remake it as assets/README.md says")
-    sd = read_state_dict(path)
-    model = CLIP(config_from_state_dict(sd, path))
+    sd, recorded = read_source(path)
+    config = config_from_state_dict(sd, path)
+    if name_or_path in MODELS or shipped:  # OpenAI's releases, and pretrain.py's CLIP
+        recorded["activation"] = "quick_gelu"
+    if "activation" not in recorded:  # LAION's and OpenAI's state dicts have the same names and shapes
+        print(f"{path}: records no activation; QuickGELU assumed, as OpenAI's CLIPs use (LAION's open_clip models use GELU: "
+              f"put their {OPEN_CLIP_CONFIG} beside the file)")
+    model = CLIP(replace(config, **recorded))
     load_weights(model, sd, path)
     return model.to(device).eval()
 
@@ -224,12 +241,11 @@ def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
 
 # ---- reading a checkpoint -----------------------------------------------------------------------
 def read_state_dict(path):
-    """OpenAI key -> tensor, without the metadata keys.
+    """Key -> tensor of a TorchScript archive, a .safetensors file or a torch state dict (bare, or under "state_dict"
+    as open_clip's training checkpoints keep it; DDP's `module.` dropped), without OpenAI's metadata keys.
 
-    A plain state dict is read with weights_only=True, so no arbitrary object is unpickled.
-    OpenAI's release is a TorchScript archive instead, which only torch.jit.load reads; it
-    restores TorchScript modules, not Python objects.
-    """
+    A state dict is read with weights_only=True, so no arbitrary object is unpickled. OpenAI's release is a TorchScript
+    archive instead, which only torch.jit.load reads; it restores TorchScript modules, not Python objects."""
     if is_torchscript(path):
         with warnings.catch_warnings():  # torch.jit is deprecated, but OpenAI's files need it
             warnings.simplefilter("ignore", FutureWarning)
@@ -237,11 +253,134 @@ def read_state_dict(path):
                 sd = torch.jit.load(path, map_location="cpu").state_dict()
             except Exception as e:  # damaged: a bad file, not a bug
                 raise InputError(f"{path}: cannot read it as a TorchScript archive ({first_line(e)})") from None
+    elif Path(path).suffix == ".safetensors":
+        try:
+            sd = load_file(path)
+        except Exception as e:  # safetensors' own error class: a bad file, not a bug
+            raise InputError(f"{path}: cannot read it as a .safetensors file ({first_line(e)})") from None
     else:
         sd = read_checkpoint(path)
+    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
+        sd = sd["state_dict"]
     if not isinstance(sd, dict):
         raise InputError(f"{path}: expected a state dict (OpenAI key names), got {type(sd).__name__}")
-    return {k: v for k, v in sd.items() if k not in METADATA_KEYS}
+    return {k.removeprefix("module."): v for k, v in sd.items() if k not in METADATA_KEYS}
+
+
+# ---- other libraries' CLIPs: Hugging Face transformers' CLIPModel and open_clip -------------------
+HF_ID = re.compile(r"[\w.-]+/[\w.-]+")  # a Hugging Face model id: openai/clip-vit-base-patch32
+HF_CONFIG, OPEN_CLIP_CONFIG = "config.json", "open_clip_config.json"
+# OpenAI's name -> transformers' CLIPModel name ({p}: weight and bias). A tuple: transformers' query, key and value
+# projections, the thirds of OpenAI's in_proj. Its visual_projection and text_projection are Linear weights, the
+# transposes of OpenAI's visual.proj and text_projection (TRANSPOSED).
+HF_NAMES = {
+    "visual.class_embedding": "vision_model.embeddings.class_embedding",
+    "visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+    "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
+    "visual.ln_pre.{p}": "vision_model.pre_layrnorm.{p}",  # sic
+    "visual.ln_post.{p}": "vision_model.post_layernorm.{p}",
+    "visual.proj": "visual_projection.weight",
+    "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+    "positional_embedding": "text_model.embeddings.position_embedding.weight",
+    "ln_final.{p}": "text_model.final_layer_norm.{p}",
+    "text_projection": "text_projection.weight",
+    "logit_scale": "logit_scale",
+}
+HF_BLOCK = {"attn.in_proj_{p}": ("self_attn.q_proj.{p}", "self_attn.k_proj.{p}", "self_attn.v_proj.{p}"),
+            "attn.out_proj.{p}": "self_attn.out_proj.{p}", "ln_1.{p}": "layer_norm1.{p}", "mlp.c_fc.{p}": "mlp.fc1.{p}",
+            "mlp.c_proj.{p}": "mlp.fc2.{p}", "ln_2.{p}": "layer_norm2.{p}"}  # each layer of both towers
+HF_TOWERS = {"visual.transformer.resblocks.": "vision_model.encoder.layers.", "transformer.resblocks.": "text_model.encoder.layers."}
+TRANSPOSED = ("visual.proj", "text_projection")
+
+
+def read_source(path):
+    """(state dict in OpenAI's names, the CLIPConfig fields the source records) of a file, or of the folder of a
+    CLIPModel that transformers' save_pretrained wrote, or open_clip's save_for_hf. transformers' names come with a
+    config.json beside them, OpenAI's and open_clip's with an open_clip_config.json."""
+    files = [path]
+    if path.is_dir():
+        files = (sorted(path.glob("model*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+                 if (path / HF_CONFIG).is_file() else
+                 [f for f in (path / "open_clip_model.safetensors", path / "open_clip_pytorch_model.bin") if f.is_file()][:1])
+    if not files:
+        raise InputError(f"{path}: a folder without CLIP weights; expected what transformers' save_pretrained writes ("
+                         f"{HF_CONFIG}, model.safetensors or pytorch_model.bin) or open_clip's ({OPEN_CLIP_CONFIG}, "
+                         "open_clip_model.safetensors or open_clip_pytorch_model.bin)")
+    sd = {k: v for f in files for k, v in read_state_dict(f).items()}
+    folder = path if path.is_dir() else path.parent
+    if any(k.startswith("vision_model.") for k in sd):
+        return from_transformers(sd, path), transformers_config(folder / HF_CONFIG)
+    return sd, {"activation": "quick_gelu"} if is_torchscript(files[0]) else open_clip_config(folder / OPEN_CLIP_CONFIG)
+
+
+def from_transformers(sd, name="checkpoint"):
+    """A transformers CLIPModel's state dict in OpenAI's names (HF_NAMES); a missing or unknown key is an error."""
+    names = dict(HF_NAMES)
+    for ours, theirs in HF_TOWERS.items():
+        for i in range(count_blocks(sd, theirs, name)):
+            names |= {f"{ours}{i}.{k}": tuple(f"{theirs}{i}.{t}" for t in v) if isinstance(v, tuple) else f"{theirs}{i}.{v}"
+                      for k, v in HF_BLOCK.items()}
+    names = {k.format(p=p): tuple(t.format(p=p) for t in v) if isinstance(v, tuple) else v.format(p=p)
+             for k, v in names.items() for p in (("weight", "bias") if "{p}" in k else ("",))}
+    used = {t for v in names.values() for t in (v if isinstance(v, tuple) else (v,))}
+    missing, unknown = sorted(used - sd.keys()), sorted(k for k in sd.keys() - used if not k.endswith("position_ids"))
+    if missing or unknown:  # position_ids: a buffer that older transformers saved
+        raise InputError(f"{name}: not a transformers CLIPModel's state dict: missing keys {missing[:5]}, unknown keys "
+                         f"{unknown[:5]}")
+    sd = {k: torch.cat([sd[t] for t in v]) if isinstance(v, tuple) else sd[v] for k, v in names.items()}
+    return sd | {k: sd[k].t() for k in TRANSPOSED}
+
+
+def transformers_config(path):
+    """The activation and heads a CLIPModel's config.json records, transformers' defaults where it leaves them out."""
+    if not path.is_file():
+        return {}
+    config = json_object(path)
+    if config.get("model_type") != "clip":
+        raise InputError(f"{path}: model_type {config.get('model_type')!r}; expected a transformers CLIPModel's 'clip'")
+    text, vision = config.get("text_config") or {}, config.get("vision_config") or {}
+    act = text.get("hidden_act", "quick_gelu"), vision.get("hidden_act", "quick_gelu")
+    if act[0] != act[1] or act[0] not in ACTIVATIONS:
+        raise InputError(f"{path}: hidden_act {act[0]!r} (text), {act[1]!r} (vision); expected 'quick_gelu' or 'gelu' in both")
+    return {"activation": act[0], "text_heads": text.get("num_attention_heads", 8),
+            "vision_heads": vision.get("num_attention_heads", 12)}
+
+
+def open_clip_config(path):
+    """The activation and heads open_clip_config.json records, open_clip's defaults where it leaves them out (GELU;
+    heads of 64 wide in the image tower, 8 in the text tower)."""
+    if not path.is_file():
+        return {}
+    config = json_object(path).get("model_cfg")
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: no model_cfg object; expected open_clip's {OPEN_CLIP_CONFIG}")
+    vision, text = config.get("vision_cfg") or {}, config.get("text_cfg") or {}
+    return {"activation": "quick_gelu" if config.get("quick_gelu") else "gelu", "text_heads": text.get("heads", 8),
+            "vision_heads": vision.get("width", 768) // vision.get("head_width", 64)}
+
+
+def json_object(path):
+    try:
+        content = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:  # malformed, or not UTF-8
+        raise InputError(f"{path}: cannot read it as JSON ({first_line(e)})") from None
+    if not isinstance(content, dict):
+        raise InputError(f"{path}: top level is a {type(content).__name__}; expected a JSON object")
+    return content
+
+
+def hf_cached(model_id):
+    """The folder of `model_id` in the local Hugging Face cache, as huggingface_hub lays it out: the revision
+    refs/main names, else the newest. Nothing is downloaded."""
+    hub = os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or "~/.cache/huggingface") / "hub"
+    repo = Path(hub).expanduser() / f"models--{model_id.replace('/', '--')}"
+    ref = repo / "refs" / "main"
+    snapshots = ([repo / "snapshots" / ref.read_text().strip()] if ref.is_file() else
+                 sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime))
+    if not snapshots or not snapshots[-1].is_dir():
+        raise FileNotFoundError(f"{model_id}: no such file, nor a model in the Hugging Face cache (no {repo / 'snapshots'}); "
+                                f"expected a checkpoint file or folder, a model id there, or one of {', '.join(MODELS)}")
+    return snapshots[-1]
 
 
 def is_torchscript(path):
@@ -257,7 +396,11 @@ def config_from_state_dict(sd, name="checkpoint", prefix=""):
     """The CLIPConfig of an OpenAI ViT checkpoint, read off its tensor shapes (as OpenAI's build_model does).
     `prefix`: what the file's keys had before the ones in `sd` (the authors' "clip."), for the errors."""
     if "visual.proj" not in sd and any(k.startswith("visual.layer1.") for k in sd):
-        raise InputError(f"{name}: a ResNet CLIP checkpoint (RN50, RN101, ...); only ViT checkpoints are supported")
+        raise InputError(f"{name}: a ResNet CLIP checkpoint (OpenAI's RN50, RN101, ..., open_clip's ModifiedResNet); only "
+                         "ViT checkpoints are supported")
+    if any(k.startswith("visual.trunk.") for k in sd):
+        raise InputError(f"{name}: a CLIP whose image tower is a timm model (visual.trunk.*, such as ConvNeXt); only ViT "
+                         "checkpoints are supported")
     required = ["visual.conv1.weight", "visual.positional_embedding", "visual.proj", "positional_embedding",
                 "token_embedding.weight", "ln_final.weight", "text_projection"]
     missing = [prefix + k for k in required if k not in sd]

@@ -1,5 +1,5 @@
-"""Data for CLIP4IDC: readers for the three benchmarks in their published layouts and for lists of one's
-own pairs, CLIP4IDC's preprocessing, and the datasets of both stages, their order and their loaders
+"""Data for CLIP4IDC: readers for the three benchmarks, Birds-to-Words and CLEVR-DC in their published layouts and
+for lists of one's own pairs, CLIP4IDC's preprocessing, and the datasets of both stages, their order and their loaders
 (captions are tokenized by tokenizer.py; with --cache, images are read from image_store.py's file instead).
 
 The synthetic CLEVR-Change of the offline default is written by synth.py in CLEVR-Change's layout,
@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from cli import InputError, ctrl_c_kept_here, read_text
 from tokenizer import tokenize
 
 
-# ---- The three benchmarks in the layouts their authors publish, and lists of one's own pairs ------
+# ---- The datasets in the layouts their authors publish, and lists of one's own pairs -------------
 log = logging.getLogger("data")
 SOURCES = {  # name, expected layout, where it is published
     "clevr": ("CLEVR-Change", "images/CLEVR_default_%06d.png, sc_images/CLEVR_semantic_%06d.png, "
@@ -34,6 +35,11 @@ SOURCES = {  # name, expected layout, where it is published
     "ier": ("Image-Editing-Request", "{train,valid,test}.json (or dataset/adobe/{split}.json) of "
             "{img0, img1, sents, uid}, images/ holding the files they name",
             "https://github.com/airsplay/VisualRelationships"),
+    "birds": ("Birds-to-Words", "birds-to-words-v1.0.tsv (a header row, then a row per description with its pair's "
+              "img1ImgURL, img2ImgURL, split and description), images/<photo id>.jpg (the number in each image URL)",
+              "https://github.com/google-research-datasets/birds-to-words"),
+    "clevr_dc": ("CLEVR-DC", "split.json, captions.json of {\"<id>\": captions}, bef/<id>.png, aft/<id>.png",
+                 "https://github.com/hsgkim/clevr-dc"),
 }
 
 
@@ -110,12 +116,18 @@ CHANGE_TYPES = ("color", "texture", "move", "add", "drop", "distractor")  # Tabl
 PAPER_TYPE_NAME = {"material": "texture"}  # CLEVR-Change calls the texture change "material"
 
 
-def read_clevr(root, split):
-    splits, path = read_json("clevr", root / "splits.json")
+def split_ids(dataset, path, split):
+    """The integer ids that a splits file (CLEVR-Change's splits.json, CLEVR-DC's split.json) lists for `split`."""
+    splits, path = read_json(dataset, path)
     if split not in splits:
         raise InputError(f"{path}: no split {split!r} (it has {', '.join(splits)})")
     if not (isinstance(splits[split], list) and all(type(i) is int for i in splits[split])):
         raise InputError(f"{path}: split {split!r}: expected a list of integer image ids")
+    return splits[split]
+
+
+def read_clevr(root, split):
+    ids = split_ids("clevr", root / "splits.json", split)
     (change, change_path), (no_change, no_change_path), (types, types_path) = (
         read_json("clevr", root / f"{name}.json") for name in ("change_captions", "no_change_captions", "type_mapping"))
     for kind, names in types.items():
@@ -127,7 +139,7 @@ def read_clevr(root, split):
                              f"got {json.dumps(names):.80}")
     type_of = {name: kind for kind, names in types.items() for name in names}
     pairs, uncaptioned = [], []
-    for i in splits[split]:
+    for i in ids:
         name, default = f"{i:06d}.png", f"CLEVR_default_{i:06d}.png"
         if not (change.get(default) and no_change.get(default)):
             uncaptioned.append(i)
@@ -138,7 +150,7 @@ def read_clevr(root, split):
                           caption_list(no_change[default], no_change_path, default)))
     if uncaptioned:  # the published data has a few such ids; the reference loaders cannot use them either
         log.warning("%s %s: skipped %d of %d ids without change or no-change captions (first: %s)", root, split,
-                    len(uncaptioned), len(splits[split]), ", ".join(map(str, uncaptioned[:5])))
+                    len(uncaptioned), len(ids), ", ".join(map(str, uncaptioned[:5])))
     return pairs
 
 
@@ -166,16 +178,81 @@ def read_ier(root, split):
                  caption_list(e["sents"], path, f"entry {n} (uid {e['uid']!r})")) for n, e in enumerate(entries)]
 
 
+# Birds-to-Words as google-research-datasets/birds-to-words publishes it (README.md, "Data Format"): one tsv, a header
+# row, then a row per description (up to five a pair) with the pair's two photo URLs and its split. It holds no
+# images: each is images/<photo id>.jpg, the id the number in its URL (.../photos/647514/medium.jpg?...), where the
+# README's command puts them; a pair's id joins its two photos' ids, as IDC-PCL's code names its pairs
+# (yaolinli/IDC, bird/data/dataset_finetune_bird.py).
+BIRDS_COLUMNS = ("img1ImgURL", "img2ImgURL", "split", "description")
+PHOTO_ID = re.compile(r"/photos/(\d+)/")
+
+
+def read_birds(root, split):
+    if not (path := root / "birds-to-words-v1.0.tsv").is_file():
+        raise missing("birds", path)
+    lines = read_text(path, "Birds-to-Words' tab-separated rows").splitlines()
+    header = lines[0].split("\t") if lines else []
+    if absent := [c for c in BIRDS_COLUMNS if c not in header]:
+        raise InputError(f"{path}: no column {absent[0]} in its header row; expected {', '.join(BIRDS_COLUMNS)} among them")
+    at, pairs = {c: header.index(c) for c in BIRDS_COLUMNS}, {}
+    for n, row in ((n, line.split("\t")) for n, line in enumerate(lines[1:], 2) if line.strip()):
+        if len(row) != len(header):
+            raise InputError(f"{path}: line {n} has {len(row)} tab-separated fields; expected {len(header)}, as its header")
+        if row[at["split"]] == split:
+            photos = [PHOTO_ID.search(row[at[c]]) for c in BIRDS_COLUMNS[:2]]
+            if None in photos:
+                column = BIRDS_COLUMNS[photos.index(None)]
+                raise InputError(f"{path}: line {n}: {column} {row[at[column]]!r}; expected an iNaturalist photo URL "
+                                 "such as https://static.inaturalist.org/photos/647514/medium.jpg")
+            pairs.setdefault(tuple(m[1] for m in photos), []).append(row[at["description"]])
+    return [Pair(f"{a}_{b}", root / "images" / f"{a}.jpg", root / "images" / f"{b}.jpg", captions)
+            for (a, b), captions in pairs.items()]
+
+
+# CLEVR-DC as hsgkim/clevr-dc publishes it (README.md, split.json, captions.json, bef.tar.gz, aft.tar.gz): ids that
+# split.json lists, their captions under captions.json's "<id>", bef/<id>.png and aft/<id>.png, as BLIP2IDC's reader
+# opens them (gautierevn/BLIP2IDC, code_release/IDC_datasets.py). No file says which change a pair holds (a sixth of
+# them none): its captions are worded as CLEVR-Change's templates word each type, and CHANGE_WORDS reads it off them.
+CHANGE_WORDS = {"distractor": ("no change", "nothing", "same", "identical", "no difference"),
+                "move": ("moved", "location", "position"), "add": ("added", "appeared", "new", "newly"),
+                "drop": ("disappeared", "missing", "gone", "removed", "no longer")}
+BECAME = "changed to|turned|became|is now|painted"  # then the new colour or material
+COLORS = ("gray", "red", "blue", "green", "brown", "purple", "cyan", "yellow")
+MATERIALS = ("rubber", "matte", "metal", "metallic", "shiny")
+
+
+def read_clevr_dc(root, split):
+    ids = split_ids("clevr_dc", root / "split.json", split)
+    captions, path = read_json("clevr_dc", root / "captions.json")
+    if uncaptioned := [i for i in ids if str(i) not in captions]:
+        raise InputError(f"{path}: no captions for {len(uncaptioned)} of the {len(ids)} {split} ids in split.json "
+                         f"(first: {', '.join(map(str, uncaptioned[:5]))})")
+    return [Pair(str(i), root / "bef" / f"{i}.png", root / "aft" / f"{i}.png", caps, change_type(caps))
+            for i in ids for caps in [caption_list(captions[str(i)], path, str(i))]]
+
+
+def change_type(captions):
+    """The change type (CHANGE_TYPES) that most of a pair's captions word, or None if none is worded as CLEVR-Change's."""
+    def worded_as(caption):
+        if kind := next((k for k, words in CHANGE_WORDS.items() if re.search(rf"\b({'|'.join(words)})\b", caption)), None):
+            return kind
+        value = re.search(rf"\b({BECAME}) (\w+)", caption)
+        return value and ("color" if value[2] in COLORS else "texture" if value[2] in MATERIALS else None)
+    kinds = Counter(kind for c in captions if (kind := worded_as(c.lower())))
+    return kinds.most_common(1)[0][0] if kinds else None
+
+
 def read_split(dataset, root, split, images=True):
     """The pairs of one split; "synth" is our CLEVR-Change look-alike and shares its reader. `images`: check
     that their image files exist."""
     synthetic, dataset = dataset == "synth", "clevr" if dataset == "synth" else dataset
     if dataset not in SOURCES:
-        raise InputError(f"unknown dataset {dataset!r}; expected one of clevr, spot, ier, synth")
+        raise InputError(f"unknown dataset {dataset!r}; expected one of {', '.join(SOURCES)}, synth")
     root = Path(root)
     if not root.is_dir():
         raise missing(dataset, root, "no such folder")
-    pairs = {"clevr": read_clevr, "spot": read_spot, "ier": read_ier}[dataset](root, split)
+    pairs = {"clevr": read_clevr, "spot": read_spot, "ier": read_ier, "birds": read_birds,
+             "clevr_dc": read_clevr_dc}[dataset](root, split)
     if synthetic and (root / "scenes.json").is_file():  # synth.py writes it; a copy without it is graded by no one
         scenes = read_json("clevr", root / "scenes.json")[0]
         for p in pairs:

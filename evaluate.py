@@ -458,7 +458,8 @@ def main(argv=None):
     parser.add_argument("--predictions", help='score this COCO results json: [{"image_id", "caption"}, ...]')
     parser.add_argument("--ckpt", help="run this checkpoint: best.pt or last.pt of adapt.py or caption.py, "
                         "or the authors' pytorch_model.bin.*")
-    parser.add_argument("--data", choices=("clevr", "spot", "ier", "synth"), help="with --data_root (default: clevr)")
+    parser.add_argument("--data", choices=("clevr", "spot", "ier", "birds", "clevr_dc", "synth"),
+                        help="with --data_root (default: clevr)")
     parser.add_argument("--data_root", help="dataset folder: score --predictions, or --ckpt over --split")
     parser.add_argument("--split", help="with --data_root: the split to score (default: test)")
     parser.add_argument("--pair", nargs=2, metavar=("BEFORE", "AFTER"), help="with --ckpt: caption these two images")

@@ -35,6 +35,7 @@ class CLIPConfig:  # defaults: ViT-B/32
     text_width: int = 512
     text_layers: int = 12
     text_heads: int = 8
+    activation: str = "quick_gelu"  # the MLPs' (ACTIVATIONS): OpenAI's CLIPs were trained with QuickGELU, LAION's with GELU
 
 
 # ---- CLIP ---------------------------------------------------------------------------------------
@@ -80,13 +81,16 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)  # the GELU approximation CLIP was trained with
 
 
+ACTIVATIONS = {"quick_gelu": QuickGELU, "gelu": nn.GELU}
+
+
 class ResidualAttentionBlock(nn.Module):
-    def __init__(self, width, heads, causal=False):
+    def __init__(self, width, heads, causal=False, activation="quick_gelu"):
         super().__init__()
         self.causal = causal
         self.attn = Attention(width, heads)
         self.ln_1 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(OrderedDict(c_fc=nn.Linear(width, 4 * width), gelu=QuickGELU(),
+        self.mlp = nn.Sequential(OrderedDict(c_fc=nn.Linear(width, 4 * width), gelu=ACTIVATIONS[activation](),
                                              c_proj=nn.Linear(4 * width, width)))
         self.ln_2 = nn.LayerNorm(width)
 
@@ -96,9 +100,9 @@ class ResidualAttentionBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, width, layers, heads, causal=False):
+    def __init__(self, width, layers, heads, causal=False, activation="quick_gelu"):
         super().__init__()
-        self.resblocks = nn.Sequential(*[ResidualAttentionBlock(width, heads, causal) for _ in range(layers)])
+        self.resblocks = nn.Sequential(*[ResidualAttentionBlock(width, heads, causal, activation) for _ in range(layers)])
 
     def forward(self, x):
         return self.resblocks(x)
@@ -113,7 +117,7 @@ class VisionTransformer(nn.Module):
         self.class_embedding = nn.Parameter(scale * torch.randn(c.vision_width))
         self.positional_embedding = nn.Parameter(scale * torch.randn(n_patches + 1, c.vision_width))
         self.ln_pre = nn.LayerNorm(c.vision_width)
-        self.transformer = Transformer(c.vision_width, c.vision_layers, c.vision_heads)
+        self.transformer = Transformer(c.vision_width, c.vision_layers, c.vision_heads, activation=c.activation)
         self.ln_post = nn.LayerNorm(c.vision_width)
         self.proj = nn.Parameter(scale * torch.randn(c.vision_width, c.embed_dim))
 
@@ -162,7 +166,7 @@ class CLIP(nn.Module):
         self.visual = VisionTransformer(c)
         self.token_embedding = nn.Embedding(c.vocab_size, c.text_width)
         self.positional_embedding = nn.Parameter(torch.empty(c.context_length, c.text_width))
-        self.transformer = Transformer(c.text_width, c.text_layers, c.text_heads, causal=True)
+        self.transformer = Transformer(c.text_width, c.text_layers, c.text_heads, causal=True, activation=c.activation)
         self.ln_final = nn.LayerNorm(c.text_width)
         self.text_projection = nn.Parameter(torch.empty(c.text_width, c.embed_dim))
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))

@@ -34,7 +34,8 @@ def test_stage_1_freezes_what_their_script_freezes():
     assert frozen(small_encoder("authors")) == set(IO["s1_frozen_params"])  # as their freezing loop chose
 
 
-@pytest.mark.parametrize("data, trains", [("clevr", set()), ("spot", {"encoder.clip.token_embedding.weight"})])
+@pytest.mark.parametrize("data, trains", [("clevr", set()), ("spot", {"encoder.clip.token_embedding.weight"}),
+                                         ("birds", {"encoder.clip.token_embedding.weight"})])  # Spot-the-Diff's
 def test_stage_2_freezes_per_dataset_and_their_word_embeddings_move_at_clips_rate(tmp_path, data, trains):
     torch.save(authors_state_dict(1), tmp_path / "pytorch_model.bin")
     cfg = caption.CaptionConfig(data=data, init_from=str(tmp_path / "pytorch_model.bin"), n_intra=IO["n_intra"],
@@ -70,6 +71,9 @@ def test_the_recipe_takes_the_settings_of_their_script_for_each_dataset():
     assert [settings(adapt, "--data", d, *authors).epochs for d in ("clevr", "spot")] == [12, 20]
     assert settings(adapt, "--data", "spot").epochs == 12  # the paper's
     assert [settings(caption, "--data", d, *authors).seed for d in ("clevr", "spot", "ier")] == [2021, 42, 42]
+    # the sets they have no script for take those of the closest one: Spot-the-Diff's, CLEVR-Change's
+    assert [settings(adapt, "--data", d, *authors).epochs for d in ("birds", "clevr_dc")] == [20, 12]
+    assert [settings(caption, "--data", d, *authors).seed for d in ("birds", "clevr_dc")] == [42, 2021]
     clevr = settings(caption, "--data", "clevr", *authors)
     assert (clevr.max_len, clevr.patience) == (33, 11)  # their loop ends after 11 epochs without a better CIDEr
     assert settings(caption, "--data", "clevr", *authors, "--seed", "1").seed == 1  # flags win

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import clip_weights
-from model import CLIP, CLIPConfig
+from model import CLIP, CLIP4IDC, CLIP4IDCConfig, CLIPConfig
 from openai_reference import model as openai_model
 from openai_reference import random_state_dict
 
@@ -162,11 +162,28 @@ def test_a_checkpoint_in_torchs_legacy_format_is_read_whole_where_mmap_was_asked
     assert clip_weights.read_checkpoint(tmp_path / "old.pt", mmap=True).keys() == tiny_sd.keys()
 
 
-def test_unknown_name_lists_the_known_ones(tmp_path):
-    with pytest.raises(FileNotFoundError, match="^ViT-H/99: no such file; expected a checkpoint file or one of ViT-B/32"):
+def test_unknown_name_lists_the_known_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # a name of the form org/name may be a Hugging Face model id
+    with pytest.raises(FileNotFoundError, match="^ViT-H/99: no such file, nor a model in the Hugging Face cache .*; "
+                                                "expected a checkpoint file or folder, a model id there, or one of ViT-B/32"):
         clip_weights.load("ViT-H/99")
-    with pytest.raises(FileNotFoundError, match=f"^{re.escape(str(tmp_path))}: a folder; expected a checkpoint file"):
-        clip_weights.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="^ViT-H-99: no such file; expected a checkpoint file or folder, or one "
+                                                "of ViT-B/32"):
+        clip_weights.load("ViT-H-99")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "quick_gelu"])
+def test_our_checkpoints_record_the_activation_and_reload_the_same(tmp_path, activation):
+    model = CLIP4IDC(CLIP4IDCConfig(clip=dataclasses.replace(TINY, activation=activation), n_intra=1, context_length=16))
+    save({"model": model.state_dict(), "model_config": clip_weights.model_config(model)}, tmp_path / "best.pt")
+    loaded = clip_weights.load_checkpoint(tmp_path / "best.pt")
+    images = torch.randn(2, 3, 32, 32)
+    assert loaded.config == model.config
+    torch.testing.assert_close(loaded.encode_pair(images, images.flip(0)), model.eval().encode_pair(images, images.flip(0)),
+                               rtol=0, atol=0)
+    config = clip_weights.model_config(model)
+    del config["encoder"]["clip"]["activation"]  # a checkpoint written before the field: OpenAI's QuickGELU, as then
+    assert clip_weights.model_from_config(config).config.clip.activation == "quick_gelu"
 
 
 # ---------------------------------------------------------------------------------------------

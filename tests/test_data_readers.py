@@ -1,4 +1,5 @@
-"""The CLEVR-Change, Spot-the-Diff and Image-Editing-Request readers on tiny folders in each published layout."""
+"""The CLEVR-Change, Spot-the-Diff, Image-Editing-Request, Birds-to-Words and CLEVR-DC readers on tiny folders in
+each published layout."""
 import json
 import logging
 import os
@@ -9,6 +10,7 @@ from PIL import Image
 
 import cli
 import data
+import evaluate
 
 
 def png(path, color=(200, 10, 10), size=(12, 8)):
@@ -70,7 +72,9 @@ def test_clevr_unknown_split_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("dataset, url", [("clevr", "Seth-Park/RobustChangeCaptioning"),
-                                          ("spot", "harsh19/spot-the-diff"), ("ier", "airsplay/VisualRelationships")])
+                                          ("spot", "harsh19/spot-the-diff"), ("ier", "airsplay/VisualRelationships"),
+                                          ("birds", "google-research-datasets/birds-to-words"),
+                                          ("clevr_dc", "hsgkim/clevr-dc")])
 def test_missing_root_names_path_layout_and_source(tmp_path, dataset, url):
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nowhere'}: no such folder; expected .* layout .*{url}"):
         data.read_split(dataset, tmp_path / "nowhere", "train")
@@ -337,3 +341,131 @@ def test_an_empty_split_is_refused(tmp_path, caplog):
     (tmp_path / "spot" / "annotations" / "train.json").write_text(json.dumps([{"img_id": "9", "sentences": ["..."]}]))
     with pytest.raises(cli.InputError, match="train: no pairs; each split needs at least one"):
         data.read_split("spot", tmp_path / "spot", "train")  # no pair is left with a worded caption
+
+
+# ---------------------------------------------------------------------------------------------
+# Birds-to-Words: one tsv of image URLs, the photos fetched into images/<photo id>.jpg
+# ---------------------------------------------------------------------------------------------
+BIRDS_HEADER = ["img1ObservationURL", "img1ImgURL", "img1Species", "img1Selection", "img2ObservationURL", "img2ImgURL",
+                "img2Species", "img2Selection", "split", "annN", "description"]  # the published README's eleven columns
+
+
+def birds_row(a, b, split, n, description):
+    photo = "https://static.inaturalist.org/photos/{}/medium.jpg?14871{}".format
+    return [f"https://www.inaturalist.org/observations/9{a}", photo(a, n), "Larus occidentalis", "base",
+            f"https://www.inaturalist.org/observations/9{b}", photo(b, n), "Larus argentatus", "sameGenus", split, str(n),
+            description]
+
+
+def write_birds(root, rows=None):
+    rows = rows or [birds_row(647514, 5595152, "train", 1, "Animal1 is brown and white. Animal2 has a blue face."),
+                    birds_row(11, 12, "train", 1, "animal1 is smaller"),
+                    birds_row(647514, 5595152, "train", 2, "Animal2 has a longer tail."),
+                    birds_row(13, 647514, "test", 1, "animal2 has a spotted breast")]
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "birds-to-words-v1.0.tsv").write_text("\n".join("\t".join(r) for r in [BIRDS_HEADER, *rows]) + "\n")
+    for photo in (647514, 5595152, 11, 12, 13):
+        Image.new("RGB", (12, 8), (photo % 250, 90, 20)).save(root / "images" / f"{photo}.jpg")
+
+
+def test_birds_pairs_follow_the_published_layout(tmp_path):
+    write_birds(tmp_path)
+    pairs = data.read_split("birds", tmp_path, "train")
+    assert [(p.id, p.captions) for p in pairs] == [
+        ("647514_5595152", ["Animal1 is brown and white. Animal2 has a blue face.", "Animal2 has a longer tail."]),
+        ("11_12", ["animal1 is smaller"])]
+    assert (pairs[0].before, pairs[0].after) == (tmp_path / "images" / "647514.jpg", tmp_path / "images" / "5595152.jpg")
+    assert pairs[0].change_type is None and pairs[0].distractor is None and data.eval_items(pairs) == pairs
+    assert [p.id for p in data.read_split("birds", tmp_path, "test")] == ["13_647514"]
+    assert data.read_pixels(pairs[0].before, 8).shape == (3, 8, 8)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda rows: [r[:10] for r in rows], r"no column description in its header row; expected img1ImgURL, img2ImgURL, "
+                                          r"split, description among them"),
+    (lambda rows: rows[:2] + [rows[2][:9]], r"line 3 has 9 tab-separated fields; expected 11, as its header"),
+    (lambda rows: rows[:2] + [rows[2][:5] + ["https://example.org/bird.jpg"] + rows[2][6:]],
+     r"line 3: img2ImgURL 'https://example.org/bird.jpg'; expected an iNaturalist photo URL such as "),
+])
+def test_birds_rows_without_a_column_or_photo_id_are_named(tmp_path, change, message):
+    write_birds(tmp_path)
+    rows = [line.split("\t") for line in (tmp_path / "birds-to-words-v1.0.tsv").read_text().splitlines()]
+    (tmp_path / "birds-to-words-v1.0.tsv").write_text("\n".join("\t".join(r) for r in change(rows)))
+    with pytest.raises(cli.InputError, match=f"^{tmp_path / 'birds-to-words-v1.0.tsv'}: {message}"):
+        data.read_split("birds", tmp_path, "train")
+
+
+def test_birds_missing_tsv_and_photo_are_named(tmp_path):
+    write_birds(tmp_path)
+    (tmp_path / "images" / "12.jpg").unlink()
+    with pytest.raises(FileNotFoundError, match=r"images/12.jpg: not found, and 1 of 2 train pairs lack image files "
+                                                r"\(ids 11_12\); expected Birds-to-Words's layout .*images/<photo id>.jpg"):
+        data.read_split("birds", tmp_path, "train")
+    (tmp_path / "birds-to-words-v1.0.tsv").unlink()
+    with pytest.raises(FileNotFoundError, match="birds-to-words-v1.0.tsv: not found; expected Birds-to-Words's layout"):
+        data.read_split("birds", tmp_path, "train")
+
+
+# ---------------------------------------------------------------------------------------------
+# CLEVR-DC: split.json, captions.json, bef/ and aft/; the change type read off the captions' wording
+# ---------------------------------------------------------------------------------------------
+DC_CAPTIONS = [  # worded as CLEVR-Change's templates word each type, and a pair worded as none
+    ("color", ["the small red rubber cube changed to yellow", "the red cube behind the gray sphere turned yellow",
+               "the tiny matte block became yellow", "the red cube is in a different location"]),  # most say colour
+    ("texture", ["the large blue rubber sphere became metallic", "the blue ball turned shiny"]),
+    ("move", ["the green cylinder changed its location", "someone moved the green cylinder"]),
+    ("add", ["a small purple cube has been added", "the tiny purple thing has been newly placed"]),
+    ("drop", ["the brown sphere has disappeared", "the large brown ball is missing", "the ball is no longer there"]),
+    ("distractor", ["no change was made", "the scene remains the same", "the two scenes seem identical"]),
+    (None, ["look closely at both pictures"]),
+]
+
+
+def write_clevr_dc(root, ids=range(7), numbered=False):
+    for folder in ("bef", "aft"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        for i in ids:
+            png(root / folder / f"{i}.png", (10 * i, 200 if folder == "aft" else 0, 0))
+    (root / "split.json").write_text(json.dumps({"train": list(ids)[:-1], "val": [], "test": list(ids)[-1:]}))
+    captions = {str(i): [f"{c} in scene {i}" if numbered else c for c in DC_CAPTIONS[i % 7][1]] for i in ids}
+    (root / "captions.json").write_text(json.dumps(captions))
+
+
+def test_clevr_dc_pairs_follow_the_published_layout_and_their_wording_gives_the_change_type(tmp_path):
+    write_clevr_dc(tmp_path)
+    pairs = data.read_split("clevr_dc", tmp_path, "train") + data.read_split("clevr_dc", tmp_path, "test")
+    assert [p.id for p in pairs] == ["0", "1", "2", "3", "4", "5", "6"]
+    assert [p.change_type for p in pairs] == [kind for kind, _ in DC_CAPTIONS]
+    assert (pairs[3].before, pairs[3].after) == (tmp_path / "bef" / "3.png", tmp_path / "aft" / "3.png")
+    assert pairs[5].captions == DC_CAPTIONS[5][1] and pairs[5].distractor is None
+    assert data.eval_items(pairs) == pairs  # a no-change pair is a pair of its own, not a second after image
+
+
+def test_clevr_dc_missing_captions_and_images_are_named(tmp_path):
+    write_clevr_dc(tmp_path)
+    (tmp_path / "aft" / "3.png").unlink()
+    with pytest.raises(FileNotFoundError, match=r"aft/3.png: not found, and 1 of 6 train pairs lack image files "
+                                                r"\(ids 3\); expected CLEVR-DC's layout"):
+        data.read_split("clevr_dc", tmp_path, "train")
+    captions = json.loads((tmp_path / "captions.json").read_text())
+    del captions["2"], captions["4"]
+    (tmp_path / "captions.json").write_text(json.dumps(captions))
+    with pytest.raises(cli.InputError, match=r"captions.json: no captions for 2 of the 6 train ids in split.json "
+                                              r"\(first: 2, 4\)$"):
+        data.read_split("clevr_dc", tmp_path, "train")
+    (tmp_path / "split.json").unlink()
+    with pytest.raises(FileNotFoundError, match="split.json: not found; expected CLEVR-DC's layout .*hsgkim/clevr-dc"):
+        data.read_split("clevr_dc", tmp_path, "train")
+
+
+def test_clevr_dc_predictions_get_cider_by_the_change_type_of_their_wording(tmp_path, capsys):
+    write_clevr_dc(tmp_path, ids=range(14), numbered=True)  # CIDEr rewards what sets a pair's references apart
+    items = data.eval_items(data.read_split("clevr_dc", tmp_path, "train"))  # ids 0-12: 1-2 of each type
+    preds = {i.id: "zzz qqq" if i.change_type == "move" else i.captions[0] for i in items}  # right but on moves
+    evaluate.write_predictions(tmp_path / "preds.json", preds)
+    evaluate.main(["--predictions", str(tmp_path / "preds.json"), "--data", "clevr_dc", "--data_root", str(tmp_path),
+                   "--split", "train"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "clevr_dc train: 13 image pairs" and printed[-2].split() == ["C", "T", "M", "A", "D", "DI"]
+    per_type = dict(zip(evaluate.CHANGE_TYPES, map(float, printed[-1].split())))
+    assert per_type["move"] == 0 and min(v for t, v in per_type.items() if t != "move") > 100

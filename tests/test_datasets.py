@@ -214,6 +214,27 @@ def test_caption_samples_stack_the_change_and_the_distractor_pair(tmp_path):
     assert data.AdaptDataset(spot_like, 16)[(0, 0)][0].shape == (3, 16, 16)
 
 
+@pytest.mark.parametrize("dataset", ["birds", "clevr_dc"])
+def test_birds_and_clevr_dc_samples_hold_their_pairs_images_and_captions_and_no_distractor(tmp_path, dataset):
+    from test_data_readers import write_birds, write_clevr_dc
+    (write_birds if dataset == "birds" else write_clevr_dc)(tmp_path)
+    pairs = data.read_split(dataset, tmp_path, "train")
+    images = {p.id: (data.read_pixels(p.before, 16), data.read_pixels(p.after, 16)) for p in pairs}
+    adapting = data.AdaptDataset(pairs, 16, context_length=32, seed=0)
+    assert len(adapting) == sum(len(p.captions) for p in pairs)
+    for epoch in range(3):
+        for index, (pair, caption) in enumerate(adapting.samples):
+            before, after, ids = adapting[(epoch, index)]
+            assert all(map(torch.equal, (before, after), images[pair.id]))  # never a distractor's image
+            assert decode(ids).replace(" ", "") == caption.lower().replace(" ", "")
+    captioning = data.CaptionDataset(pairs, 16, context_length=32)
+    for index, pair in enumerate(pairs):
+        before, after, ids = captioning[(0, index)]
+        assert torch.equal(before, images[pair.id][0]) and after.shape == (1, 3, 16, 16) and ids.shape == (1, 32)
+        assert torch.equal(after[0], images[pair.id][1])
+    assert [i for i, _, _ in data.EvalDataset(data.eval_items(pairs), 16)] == list(range(len(pairs)))
+
+
 def test_eval_dataset_yields_every_item_with_its_index(tmp_path):
     items = data.eval_items(write_clevr(tmp_path, n=2))
     ds = data.EvalDataset(items, 16)
