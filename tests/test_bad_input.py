@@ -518,7 +518,7 @@ def test_help_describes_every_flag_and_what_synth_and_the_recipe_change(capsys):
         for name, default in vars(config()).items():
             assert descriptions.get(name), f"--{name} has no description"
             assert descriptions[name] + ("" if default == "" else f" (default: {default}") in text, name
-        assert "--amp {auto,bf16,fp16,off}" in text and "--data {synth,clevr,spot,ier}" in text
+        assert "--amp {auto,bf16,fp16,off}" in text and "--data {synth,clevr,spot,ier,birds,clevr_dc}" in text
         assert "rising rate; then" in text and " (default: 0.1; 0 to 1) " in text  # --warmup's range, as LIMITS says
         assert f"(default: {config.batch_size}; at least 1) " in text
         presets = [stage.SYNTH_DEFAULTS, *stage.AUTHORS_DEFAULTS.values()]
