@@ -38,7 +38,7 @@ import data
 import image_store
 import synth
 from cli import InputError
-from model import distributed
+from model import CaptionerConfig, CLIP4IDCConfig, distributed
 
 # The values a flag may take, both ends included (None: open); checked before anything is built.
 LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), "save_every": (1, None),
@@ -126,14 +126,14 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
     return cfg, device
 
 
-def differences(saved, now, prefix=""):
+def differences(saved, now, defaults, prefix=""):
     """{name: (saved, now)} of the values in `now` that `saved` holds otherwise; nested dicts name theirs
-    "encoder.n_intra"."""
+    "encoder.n_intra". A field `saved` lacks, written before it existed, holds its value in `defaults`."""
     changed = {}
     for k, value in now.items():
         if isinstance(value, dict) and isinstance(saved.get(k), dict):
-            changed |= differences(saved[k], value, f"{prefix}{k}.")
-        elif saved.get(k) != value:
+            changed |= differences(saved[k], value, defaults.get(k, {}), f"{prefix}{k}.")
+        elif saved.get(k, defaults.get(k)) != value:
             changed[prefix + k] = (saved.get(k), value)
     return changed
 
@@ -170,7 +170,7 @@ def check_run_folder(cfg, held=False):
         if "init_from" in saved:  # stage 2 rebuilds its model from last.pt: where the run started stays on record,
             cfg.init_from, cfg.clip = saved["init_from"], saved["clip"]  # and the split flags are checked against its
             free += ("n_intra", "n_inter")  # pair encoder (caption.record_split)
-        if changed := {k: v for k, v in differences(saved, asdict(cfg)).items() if k not in free}:
+        if changed := {k: v for k, v in differences(saved, asdict(cfg), asdict(type(cfg)())).items() if k not in free}:
             raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
                              f"{changed}; resume with the same ones")
     elif earlier and not cfg.overwrite:
@@ -347,7 +347,8 @@ def resume(path, run, shape):
     """Restore model, optimiser, schedule, grad scaler and RNG from last.pt (whose settings
     check_run_folder compared); return the loop's state."""
     ckpt = clip_weights.read_checkpoint(path)
-    if changed := differences(ckpt["model_config"], shape):  # the same weights fit another layer split
+    defaults = {"encoder": asdict(CLIP4IDCConfig()), "captioner": asdict(CaptionerConfig())}
+    if changed := differences(ckpt["model_config"], shape, defaults):  # the same weights fit another layer split
         if "captioner.vocab" in changed:  # --vocab train: the token ids of the captions' words, too many to print
             saved, now = (set(ids or ()) for ids in changed["captioner.vocab"])
             changed["captioner.vocab"] = (f"{len(saved)} words", f"{len(now)} words, {len(now - saved)} of them new")

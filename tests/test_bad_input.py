@@ -541,6 +541,7 @@ def test_help_describes_every_flag_and_what_synth_and_the_recipe_change(capsys):
     (["--epochs", "2"], "'epochs': (1, 2)"),
     (["--warmup", "0.2"], "'warmup': (0.1, 0.2)"),
     (["--seed", "7"], "'seed': (42, 7)"),
+    (["--hard_negatives", "6"], "'hard_negatives': (0, 6)"),
 ])
 def test_resume_refuses_changed_settings(root, unfinished, capsys, flags, changed):
     before = snapshot(unfinished)
@@ -548,6 +549,16 @@ def test_resume_refuses_changed_settings(root, unfinished, capsys, flags, change
     assert f"--resume: {unfinished / 'last.pt'} was trained with other settings, (saved, now): " in error
     assert changed in error
     assert snapshot(unfinished) == before
+
+
+def test_a_run_saved_before_a_setting_existed_resumes_as_holding_its_default(root, unfinished, tmp_path):
+    out = tmp_path / "old"
+    shutil.copytree(unfinished, out)
+    ckpt = torch.load(out / "last.pt", weights_only=True)
+    del ckpt["config"]["hard_negatives"], ckpt["config"]["rewrites"], ckpt["model_config"]["encoder"]["clip"]["activation"]
+    torch.save(ckpt, out / "last.pt")
+    cli.main(adapt.main, [str(a) for a in [*SMALL, "--data_root", root, "--out_dir", out, "--resume"]])
+    assert (out / "metrics.json").is_file()
 
 
 def edited_model(last, edit):
