@@ -22,12 +22,7 @@ import evaluate
 import tokenizer
 import train
 from cli import InputError
-from model import CLIP4IDC, CLIP4IDCConfig, CLIPConfig
-
-# A CLIP small enough to train on a laptop CPU in minutes (128 px, patch 16), with OpenAI's heads of 64.
-SMALL_CLIP = CLIPConfig(embed_dim=64, image_size=128, patch_size=16, vision_width=64, vision_layers=4,
-                        vision_heads=1, context_length=32, text_width=64, text_layers=2, text_heads=1)
-
+from model import SMALL_CLIP, CLIP4IDC, CLIP4IDCConfig, CLIPConfig
 
 @dataclass
 class AdaptConfig:  # defaults: Appendix B and the authors' code
@@ -233,11 +228,11 @@ def main(argv=None):
         with torch.no_grad():
             model.clip.logit_scale.clamp_(max=math.log(100))
 
-    step0 = retrieval("test") if not cfg.resume and train.rank() == 0 else None
+    step0 = retrieval("test") if not cfg.resume and cli.rank() == 0 else None
     state = train.fit(cfg, model, train_set, validate, model.new_parameter_names(), "cosine", before=step0,
                       after_step=clamp_temperature,
                       log_extra=lambda: {"temp": f"{(-model.clip.logit_scale).exp().item():.4f}"})
-    if train.rank() != 0:
+    if cli.rank() != 0:
         return
     results = {"val": retrieval("val"), "test": retrieval("test"), "test_step0": state["before"]}
     print(evaluate.format_retrieval(results["test"]))

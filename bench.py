@@ -40,7 +40,7 @@ import clip_weights
 import data
 import image_store
 import train
-from model import CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
+from model import SMALL_CLIP, CLIP4IDC, Captioner, CaptionerConfig, CLIP4IDCConfig, CLIPConfig
 from tokenizer import EOT, tokenize
 
 CAPTIONS = ["the small red metal cube has moved", "there is no change", "a photo of a cat.",
@@ -116,7 +116,7 @@ def bench_decode(args):
 def stage_model(args, negatives=0):
     """The stage's model at the paper's size (or the offline preset) and a random batch of its shape, in stage 1
     with `negatives` hard-negative captions a pair."""
-    clip = adapt.SMALL_CLIP if args.preset == "small" else CLIPConfig()
+    clip = SMALL_CLIP if args.preset == "small" else CLIPConfig()
     n_intra = adapt.SYNTH_DEFAULTS["n_intra"] if args.preset == "small" else 9
     encoder = CLIP4IDC(CLIP4IDCConfig(clip=clip, n_intra=n_intra))
     size, b = clip.image_size, args.batch
@@ -231,7 +231,7 @@ def train_pairs_and_store(args):
     """The training pairs, their image size, and the image store of all three splits: the one the runs build
     and use, so that neither builds it again."""
     splits = [data.read_split(args.data, args.data_root, split) for split in ("train", "val", "test")]
-    size = adapt.SMALL_CLIP.image_size if args.preset == "small" else 224
+    size = SMALL_CLIP.image_size if args.preset == "small" else 224
     try:
         return splits[0], size, image_store.ImageStore([p for pairs in splits for p in pairs], size, args.data_root)
     except cli.InputError as e:

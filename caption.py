@@ -172,7 +172,7 @@ def main(argv=None):
         return cider["CIDEr"], cider
 
     train.fit(cfg, captioner, train_set, validate, new_parameter_names(captioner, cfg), "linear", patience=cfg.patience)
-    if train.rank() != 0:
+    if cli.rank() != 0:
         return
     # The scoring may fail where the training did not (a test image read for the first time without --cache,
     # Java's METEOR gone, memory short): best.pt is kept, and the error says how to finish the run.

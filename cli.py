@@ -1,6 +1,7 @@
 """What every command line here shares, apart from the method: bad input and other expected failures
-told in one line, Ctrl-C ended in one line with no process left behind, files written whole or not at all,
-and the ETA of progress lines. A reader of the method can skip this file.
+told in one line, Ctrl-C ended in one line with no process left behind, the processes of torchrun and what
+they gather, files written whole or not at all, and the ETA of progress lines. A reader of the method can
+skip this file but for gather_batch, through which the loss sees the global batch.
 """
 import argparse
 import contextlib
@@ -24,8 +25,6 @@ except ImportError:  # Windows: runs are not locked against a second run on the 
 
 import torch
 import torch.distributed as dist
-
-from model import distributed
 
 
 # ---- Failures told in one line, and Ctrl-C ------------------------------------------------------
@@ -140,6 +139,52 @@ def main(run, argv=None):
         os._exit(status)
     if status:
         sys.exit(status)
+
+
+# ---- Processes under torchrun ---------------------------------------------------------------
+def distributed():
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def gather_batch(x):
+    """x of every process, concatenated in rank order; x itself in a single process.
+
+    Every process then computes the loss of the whole global batch. Only its own slice carries a gradient,
+    scaled by the number of processes, so that DDP's average is exactly one process's gradient on the global
+    batch. A gather with autograd would run a collective in the backward pass beside DDP's: unsafe in gloo."""
+    if not distributed():
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.detach().contiguous())
+    parts[dist.get_rank()] = x + (x - x.detach()) * (len(parts) - 1)  # exactly x; its gradient len(parts) times x's
+    return torch.cat(parts)
+
+
+def global_mean(total, count):
+    """total / count with `count` summed over all processes (scaled so that DDP's averaging of the
+    gradients gives the gradient of the global mean, however the counts split between processes)."""
+    if distributed():
+        count = count.clone()  # all_reduce sums in place: the caller's tensor stays as it was
+        dist.all_reduce(count)
+        count = count / dist.get_world_size()
+    return total / count
+
+
+def rank():
+    return dist.get_rank() if distributed() else 0
+
+
+def world():
+    return dist.get_world_size() if distributed() else 1
+
+
+def gather_objects(obj):
+    """[obj of rank 0, obj of rank 1, ...], on every process."""
+    if not distributed():
+        return [obj]
+    objs = [None] * world()
+    dist.all_gather_object(objs, obj)
+    return objs
 
 
 # ---- Files: made, written whole, never an earlier run's by accident -----------------------------

@@ -12,10 +12,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cli import gather_batch, global_mean
 from tokenizer import EOT, SOT
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's pre-training pixel statistics
@@ -36,6 +36,11 @@ class CLIPConfig:  # defaults: ViT-B/32
     text_layers: int = 12
     text_heads: int = 8
     activation: str = "quick_gelu"  # the MLPs' (ACTIVATIONS): OpenAI's CLIPs were trained with QuickGELU, LAION's with GELU
+
+
+# The offline default's CLIP, small enough to train on a laptop CPU in minutes (128 px, patch 16), with OpenAI's heads of 64.
+SMALL_CLIP = CLIPConfig(embed_dim=64, image_size=128, patch_size=16, vision_width=64, vision_layers=4,
+                        vision_heads=1, context_length=32, text_width=64, text_layers=2, text_heads=1)
 
 
 # ---- CLIP ---------------------------------------------------------------------------------------
@@ -291,34 +296,6 @@ class CLIP4IDC(nn.Module):
             g, h = texts[:len(tokens)], texts[len(tokens):].unflatten(0, negatives.shape[:2])
         loss = contrastive_loss(v, g, self.clip.logit_scale, h)
         return loss / 2 if self.config.average_directions else loss
-
-
-def distributed():
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def gather_batch(x):
-    """x of every process, concatenated in rank order; x itself in a single process.
-
-    Every process then computes the loss of the whole global batch. Only its own slice carries a gradient,
-    scaled by the number of processes, so that DDP's average is exactly one process's gradient on the global
-    batch. A gather with autograd would run a collective in the backward pass beside DDP's: unsafe in gloo."""
-    if not distributed():
-        return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.detach().contiguous())
-    parts[dist.get_rank()] = x + (x - x.detach()) * (len(parts) - 1)  # exactly x; its gradient len(parts) times x's
-    return torch.cat(parts)
-
-
-def global_mean(total, count):
-    """total / count with `count` summed over all processes (scaled so that DDP's averaging of the
-    gradients gives the gradient of the global mean, however the counts split between processes)."""
-    if distributed():
-        count = count.clone()  # all_reduce sums in place: the caller's tensor stays as it was
-        dist.all_reduce(count)
-        count = count / dist.get_world_size()
-    return total / count
 
 
 def contrastive_loss(v, g, logit_scale, h=None):

@@ -29,8 +29,7 @@ import data
 import image_store
 import synth
 import train
-from adapt import SMALL_CLIP
-from model import CLIP, gather_batch
+from model import CLIP, SMALL_CLIP
 from tokenizer import EOT, SOT, get_tokenizer
 
 
@@ -193,8 +192,8 @@ def clip_loss(v, g, logit_scale):
     with torch.autocast(v.device.type, enabled=False):
         v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
         scale = logit_scale.exp()
-        logits = scale * gather_batch(v) @ gather_batch(g[:, 0]).t()  # [B, B], all processes' images and texts
-        own = torch.arange(len(v), device=v.device) + len(v) * train.rank()  # this process's rows
+        logits = scale * cli.gather_batch(v) @ cli.gather_batch(g[:, 0]).t()  # [B, B], all processes' images and texts
+        own = torch.arange(len(v), device=v.device) + len(v) * cli.rank()  # this process's rows
         hard = scale * (v[:, None] * g[:, 1:]).sum(-1)  # [B, negatives]: each image with its own swapped texts
         image_to_text = F.cross_entropy(torch.cat([logits[own], hard], dim=1), own)
         text_to_image = F.cross_entropy(logits.t()[own], own)
@@ -279,7 +278,7 @@ def main(argv=None):
     state = train.fit(cfg, model, train_set, validate, {name for name, _ in model.named_parameters()}, "cosine",
                       after_step=clamp_temperature,
                       log_extra=lambda: {"temp": f"{(-clip.logit_scale).exp().item():.4f}"})
-    if train.rank() != 0:
+    if cli.rank() != 0:
         return
     export = Path(cfg.out_dir) / "clip.pt"
     clip_weights.save_atomic({k: v.half() for k, v in clip.state_dict().items()}, export)

@@ -38,7 +38,7 @@ import data
 import image_store
 import synth
 from cli import InputError
-from model import CaptionerConfig, CLIP4IDCConfig, distributed
+from model import CaptionerConfig, CLIP4IDCConfig
 
 # The values a flag may take, both ends included (None: open); checked before anything is built.
 LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), "save_every": (1, None),
@@ -118,10 +118,10 @@ def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_de
         raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
     check_run_folder(cfg)
     device = setup_device(cfg)
-    logging.basicConfig(level=logging.INFO if rank() == 0 else logging.ERROR, format="%(message)s")
-    if rank() != 0:
+    logging.basicConfig(level=logging.INFO if cli.rank() == 0 else logging.ERROR, format="%(message)s")
+    if cli.rank() != 0:
         sys.stdout = open(os.devnull, "w")
-    print(f"config: {asdict(cfg)}" + (f"\n{world()} processes" if distributed() else ""))
+    print(f"config: {asdict(cfg)}" + (f"\n{cli.world()} processes" if cli.distributed() else ""))
     torch.manual_seed(cfg.seed)  # model initialisation and dropout: all the randomness training draws
     return cfg, device
 
@@ -220,23 +220,6 @@ def setup_device(cfg):
     return device
 
 
-def rank():
-    return dist.get_rank() if distributed() else 0
-
-
-def world():
-    return dist.get_world_size() if distributed() else 1
-
-
-def gather_objects(obj):
-    """[obj of rank 0, obj of rank 1, ...], on every process."""
-    if not distributed():
-        return [obj]
-    objs = [None] * world()
-    dist.all_gather_object(objs, obj)
-    return objs
-
-
 def mixed_precision(device, amp):
     """Autocast context and grad scaler for `amp`: bf16 needs no scaler, fp16 does."""
     if amp == "auto":  # bf16 where the GPU has it natively (Ampere on), not torch's slow emulation of it
@@ -274,15 +257,15 @@ def in_turns():
     """Rank 0 first, then the first process of each other machine (whose disk may be its own), then the others:
     what a turn makes where it is missing, the next finds. Yields the turn. A turn that fails stops every process
     at its end with the failure's line, said once a machine as bad input is, not with a connection lost."""
-    turn, failure = 0 if rank() == 0 else 1 if cli.first_of_machine() else 2, None
+    turn, failure = 0 if cli.rank() == 0 else 1 if cli.first_of_machine() else 2, None
     for now in range(3):
         if now == turn:
             try:
                 yield turn
             except Exception as e:
                 failure = e
-        line = failure and (cli.error_line(failure) or f"process {rank()} stopped ({type(failure).__name__})")
-        said = [s for s in gather_objects(line) if s]
+        line = failure and (cli.error_line(failure) or f"process {cli.rank()} stopped ({type(failure).__name__})")
+        said = [s for s in cli.gather_objects(line) if s]
         if failure:
             raise failure
         if said:
@@ -358,8 +341,8 @@ def resume(path, run, shape):
     for name, obj in run.items():
         if name != "model" and obj is not None and (name in ckpt or name != "scaler"):  # fp16 from a run without: a new scaler
             obj.load_state_dict(ckpt[name])
-    if len(ckpt["rng"]) == world():
-        set_rng_state(ckpt["rng"][rank()], next(run["model"].parameters()).device)
+    if len(ckpt["rng"]) == cli.world():
+        set_rng_state(ckpt["rng"][cli.rank()], next(run["model"].parameters()).device)
     else:
         print(f"{path} was written by {len(ckpt['rng'])} processes: random streams (dropout) start afresh")
     print(f"resumed from {path} at step {ckpt['state']['step']}")
@@ -396,17 +379,17 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     require_batch(cfg.batch_size, len(train_set))
     steps_per_epoch = len(train_set) // cfg.batch_size
     total = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
-    sampler = data.EpochSampler(len(train_set), cfg.seed, cfg.batch_size, rank(), world())
-    loader = data.make_loader(train_set, cfg.batch_size // world(), device, cfg.workers, sampler, cfg.seed)
+    sampler = data.EpochSampler(len(train_set), cfg.seed, cfg.batch_size, cli.rank(), cli.world())
+    loader = data.make_loader(train_set, cfg.batch_size // cli.world(), device, cfg.workers, sampler, cfg.seed)
     optimizer = make_optimizer(model, new_names, cfg)
     schedule = make_schedule(optimizer, total, cfg.warmup, decay)
     run = dict(model=model, optimizer=optimizer, schedule=schedule, scaler=scaler)  # all that last.pt restores
     state = dict(step=0, best=-math.inf, best_epoch=0, history=[], stopped=False, before=before, samples=len(train_set))
-    if distributed():  # the processes built the same model; their dropout masks must differ, as within one batch
-        torch.manual_seed(cfg.seed + rank())
-    net = DistributedDataParallel(model) if distributed() else model  # gradients averaged over processes
+    if cli.distributed():  # the processes built the same model; their dropout masks must differ, as within one batch
+        torch.manual_seed(cfg.seed + cli.rank())
+    net = DistributedDataParallel(model) if cli.distributed() else model  # gradients averaged over processes
     # On one GPU, CUDA graphs replay each compiled step with one launch instead of hundreds.
-    graphs = cfg.compile and device.type == "cuda" and not distributed()
+    graphs = cfg.compile and device.type == "cuda" and not cli.distributed()
     net = torch.compile(net, mode="reduce-overhead" if graphs else None) if cfg.compile else net
     saved = dict(config=asdict(cfg), model_config=clip_weights.model_config(model))
     replaced = [out / name for name in RUN_FILES if cfg.overwrite]  # kept until this run has something to save
@@ -424,26 +407,26 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
             raise diverged("the weights are not finite")
 
     def checkpoint():  # of weights that require_finite passed
-        rngs = gather_objects(rng_state(device))  # every process's dropout stream
-        if rank() == 0:
+        rngs = cli.gather_objects(rng_state(device))  # every process's dropout stream
+        if cli.rank() == 0:
             save(dict(**{k: v.state_dict() for k, v in run.items() if v is not None}, state=state, rng=rngs, **saved),
                  "last.pt")
 
     def end_of_epoch(epoch):
         require_finite()  # before validating: else a diverged model's score could make it best.pt
-        score, metrics = gather_objects(validate() if rank() == 0 else None)[0]  # every process stops together
+        score, metrics = cli.gather_objects(validate() if cli.rank() == 0 else None)[0]  # every process stops together
         state["history"].append(dict(epoch=epoch, step=state["step"], score=score, val=metrics))
         print(f"epoch {epoch} val score {score:.2f} (best {max(score, state['best']):.2f})", flush=True)
         if score > state["best"]:
             state["best"], state["best_epoch"] = score, epoch
-            if rank() == 0:
+            if cli.rank() == 0:
                 save(dict(model=model.state_dict(), **saved), "best.pt")
         if patience and epoch - state["best_epoch"] >= patience:
             print(f"early stop: no better val score for {patience} epochs")
             state["stopped"] = True
         checkpoint()
 
-    with locked(out) if rank() == 0 else nullcontext():
+    with locked(out) if cli.rank() == 0 else nullcontext():
         with in_turns() as turn:  # another run may have written here since this one started: all refuse alike
             if turn == 0:
                 check_run_folder(cfg, held=True)
@@ -457,7 +440,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
             since, pairs, steps = time.time(), 0, 0  # the speed of the steps since the last progress line
             for batch in itertools.islice(loader, min(steps_per_epoch - done, total - state["step"])):
                 batch = [t.to(device, non_blocking=True) for t in batch]
-                pairs += batch[1].shape[:-3].numel() * world()  # after images [B, (k,) 3, H, W], all processes
+                pairs += batch[1].shape[:-3].numel() * cli.world()  # after images [B, (k,) 3, H, W], all processes
                 if graphs:
                     torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten
                 with autocast:
@@ -469,7 +452,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                     after_step()
                 state["step"], steps = state["step"] + 1, steps + 1
                 if state["step"] % cfg.log_every == 0 or state["step"] == total:  # host syncs: printed values, saves
-                    value = sum(gather_objects(loss.item())) / world()  # the global batch's: all stop at a NaN together
+                    value = sum(cli.gather_objects(loss.item())) / cli.world()  # the global batch's: all stop at a NaN together
                     if not math.isfinite(value):
                         raise diverged(f"the loss is {value}")
                     extra = "".join(f" {k} {v}" for k, v in (log_extra() if log_extra else {}).items())
@@ -485,6 +468,6 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
                     require_finite()
                     checkpoint()
             end_of_epoch(epoch + 1)
-    if rank() == 0:  # what the run scores
+    if cli.rank() == 0:  # what the run scores
         model.load_state_dict(clip_weights.read_checkpoint(out / "best.pt")["model"])
     return state

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import clip_weights
-from model import CLIP, CLIP4IDC, CLIP4IDCConfig, CLIPConfig
+from model import SMALL_CLIP, CLIP, CLIP4IDC, CLIP4IDCConfig, CLIPConfig
 from openai_reference import model as openai_model
 from openai_reference import random_state_dict
 
@@ -320,10 +320,10 @@ def test_the_shipped_synthetic_clip_loads_as_the_small_shape_and_a_changed_copy_
     import adapt
     shipped = clip_weights.ASSETS / "clip_synth.pt"
     assert clip_weights.sha256(shipped) == clip_weights.SHIPPED["clip_synth.pt"]
-    assert clip_weights.load("assets/clip_synth.pt").config == adapt.SMALL_CLIP  # --init random: the same shape
+    assert clip_weights.load("assets/clip_synth.pt").config == SMALL_CLIP  # --init random: the same shape
     copy = torch.load(shipped)
     copy["logit_scale"] += 1  # a file that differs, under the shipped name, is not taken for it
     monkeypatch.setattr(clip_weights, "ASSETS", tmp_path)
     with pytest.raises(clip_weights.InputError, match=r"clip_synth.pt: SHA-256 \w+, not that of the file shipped"):
         clip_weights.load(save(copy, tmp_path / "clip_synth.pt"))
-    assert clip_weights.load(save(copy, tmp_path / "other.pt")).config == adapt.SMALL_CLIP  # another name: any file
+    assert clip_weights.load(save(copy, tmp_path / "other.pt")).config == SMALL_CLIP  # another name: any file

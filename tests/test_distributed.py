@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cli
 import clip_weights
 import image_store
 import synth
@@ -143,8 +144,8 @@ def dropping(*batch):  # the loss, and a dropout mask drawn as a dropout layer w
 
 def run(argv):
     train.fit(cfg, model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
-    first, second = train.gather_objects(masks[0])
-    if train.rank() == 0:
+    first, second = cli.gather_objects(masks[0])
+    if cli.rank() == 0:
         print("masks", "equal" if torch.equal(first, second) else "differ")
 
 model.forward = dropping
@@ -171,9 +172,9 @@ def test_each_process_draws_its_own_dropout_masks(tmp_path):
 def test_the_first_process_of_each_machine_readies_its_data_in_turn(rank, local_rank, order, tmp_path, monkeypatch):
     synth.write_synth(tmp_path / "synth", 30, seed=1)
     events = []
-    monkeypatch.setattr(train_py, "rank", lambda: rank)
+    monkeypatch.setattr(cli, "rank", lambda: rank)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-    monkeypatch.setattr(train_py, "gather_objects", lambda obj: events.append("turn") or [obj])
+    monkeypatch.setattr(cli, "gather_objects", lambda obj: events.append("turn") or [obj])
     monkeypatch.setattr(synth, "ensure_synth", lambda root: events.append("generated"))
     monkeypatch.setattr(image_store, "ImageStore", lambda *args: events.append("stored"))
     cfg = AdaptConfig(data="synth", data_root=str(tmp_path / "synth"), out_dir=str(tmp_path / "out"), cache=True,
@@ -189,9 +190,9 @@ def test_the_first_process_of_each_machine_readies_its_data_in_turn(rank, local_
 ])
 def test_openais_weights_are_fetched_in_turn_so_a_machine_downloads_them_once(rank, local_rank, order, monkeypatch):
     events, clip = [], CLIP(dataclasses.replace(tiny_clip_config(layers=2), context_length=32))
-    monkeypatch.setattr(train_py, "rank", lambda: rank)
+    monkeypatch.setattr(cli, "rank", lambda: rank)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-    monkeypatch.setattr(train_py, "gather_objects", lambda obj: events.append("turn") or [obj])
+    monkeypatch.setattr(cli, "gather_objects", lambda obj: events.append("turn") or [obj])
     monkeypatch.setattr(clip_weights, "load", lambda name: events.append("loaded") or clip)
     assert build_model(AdaptConfig(init="openai", n_intra=1, n_inter=1)).clip is clip
     assert events == order
@@ -199,14 +200,14 @@ def test_openais_weights_are_fetched_in_turn_so_a_machine_downloads_them_once(ra
 
 def test_a_turn_that_fails_stops_the_processes_after_it_with_its_line(monkeypatch):
     shared = []
-    monkeypatch.setattr(train_py, "gather_objects", lambda obj: shared.append(obj) or [obj])
+    monkeypatch.setattr(cli, "gather_objects", lambda obj: shared.append(obj) or [obj])
     with pytest.raises(FileNotFoundError), train_py.in_turns():  # rank 0's turn, the first
         raise FileNotFoundError("nothere.pt: no such file")
     assert shared == ["nothere.pt: no such file"]  # what every process learns at the end of the turn
 
-    monkeypatch.setattr(train_py, "rank", lambda: 3)  # a later turn's process: it stops with that line
+    monkeypatch.setattr(cli, "rank", lambda: 3)  # a later turn's process: it stops with that line
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(train_py, "gather_objects", lambda obj: ["nothere.pt: no such file", None, None, obj])
+    monkeypatch.setattr(cli, "gather_objects", lambda obj: ["nothere.pt: no such file", None, None, obj])
     with pytest.raises(train_py.InputError, match="^nothere.pt: no such file$"), train_py.in_turns():
         raise AssertionError("a turn after a failed one does not run")
 
