@@ -23,49 +23,47 @@ import tokenizer
 import train
 from cli import InputError
 from model import SMALL_CLIP, CLIP4IDC, CLIP4IDCConfig, CLIPConfig
+from train import arg
+
 
 @dataclass
-class AdaptConfig:  # defaults: Appendix B and the authors' code
-    data: Literal["synth", "clevr", "spot", "ier", "birds", "clevr_dc"] = "synth"  # synth: the offline CLEVR-Change look-alike
-    data_root: str = ""  # dataset folder (default: data/<data>)
-    out_dir: str = ""  # run folder for checkpoints and metrics (default: out/adapt-<data>)
-    preset: Literal["vit-b/32", "small"] = "vit-b/32"  # with --init random, CLIP's shape: the paper's, or small enough for a CPU
-    init: Literal["openai", "random"] = "openai"  # start from OpenAI's weights or from scratch
-    clip: str = "ViT-B/32"  # with --init openai: OpenAI's model name or a checkpoint path
-    n_intra: int = 9  # layers that see one image (Table 7)
-    n_inter: int = 3  # layers that see the pair; n_intra + n_inter = CLIP's vision layers
-    epochs: int = 12  # passes over the training captions
-    batch_size: int = 128  # the global batch, over all processes
-    lr: float = 1e-4  # the new parameters (e1, e2, pair position embedding, LayerNorm)
-    lr_clip: float = 1e-7  # CLIP's weights
-    weight_decay: float = 0.2  # AdamW's, on matrices only
-    beta2: float = 0.98  # AdamW's second-moment decay, as CLIP was trained
-    warmup: float = 0.1  # fraction of the steps with a rising rate; then cosine decay
-    grad_clip: float = 1.0  # largest gradient norm (0: no clipping)
-    seed: int = 42  # model initialisation, data order, distractor swaps
-    max_steps: int = 0  # stop after this many steps (0: all epochs)
-    cache: bool = False  # decode and resize every image once, into a uint8 file beside the data (image_store.ImageStore)
-    amp: Literal["auto", "bf16", "fp16", "off"] = "auto"  # mixed precision; auto: bf16 (else fp16) on CUDA, off on CPU
-    compile: bool = False  # torch.compile the training step
-    device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)
-    workers: int = -1  # loader processes (-1: from the machine's cores, see data.loader_workers)
-    log_every: int = 20  # steps between progress lines
-    save_every: int = 500  # steps between resumable checkpoints (also at each epoch's end)
-    resume: bool = False  # continue the run in --out_dir from its last.pt
-    overwrite: bool = False  # replace the run in --out_dir with a new one
-    recipe: Literal["paper", "authors"] = "paper"  # paper: the paper and our choices; authors: as their code trains (README)
-    hard_negatives: int = 0  # rewritten false captions per sample as IP-T's extra columns (IDC-PCL's FDA; 0: the paper's)
-    rewrites: str = "retrieve,replace,confuse"  # with --hard_negatives: the kinds of rewrite, shared out evenly (HardNegatives)
+class AdaptConfig(train.RunConfig):
+    """Appendix B and the authors' code. `--data synth`, the offline default (docs/offline-default.md says why),
+    adapts the small CLIP that pretrain.py made of synthetic scenes; the parameters it lacks learn at four times its
+    rate, which suits random weights of its shape (--init random) as well."""
+    stage = "adapt"
+    data: Literal["synth", "clevr", "spot", "ier", "birds", "clevr_dc"] = arg(
+        "synth", "synth: the offline CLEVR-Change look-alike")
+    recipe: Literal["paper", "authors"] = arg("paper", "paper: the paper and our choices; authors: as their code trains")
+    preset: Literal["vit-b/32", "small"] = arg(
+        "vit-b/32", "with --init random, CLIP's shape: the paper's, or small enough for a CPU", synth="small")
+    init: Literal["openai", "random"] = arg("openai", "start from OpenAI's weights or from scratch")
+    clip: str = arg("ViT-B/32", "with --init openai: OpenAI's model name or a checkpoint path",
+                    synth="assets/clip_synth.pt", free=True)
+    n_intra: int = arg(9, "layers that see one image (Table 7)", synth=2, low=0)
+    n_inter: int = arg(3, "layers that see the pair; n_intra + n_inter = CLIP's vision layers", synth=2, low=0)
+    # Their script adapts 20 epochs on Spot-the-Diff (12 on CLEVR-Change, as the paper says); they have none for
+    # Birds-to-Words, which takes Spot-the-Diff's (README), and CLEVR-DC, which takes CLEVR-Change's.
+    epochs: int = arg(12, synth=5, authors={"spot": 20, "birds": 20})
+    batch_size: int = arg(128, synth=48)
+    lr: float = arg(1e-4, "the new parameters (e1, e2, pair position embedding, LayerNorm)", synth=4e-3)
+    lr_clip: float = arg(1e-7, "CLIP's weights", synth=1e-3, low=0)
+    weight_decay: float = arg(0.2, synth=0.05)
+    cache: bool = arg(False, "decode and resize every image once, into a uint8 file beside the data", synth=True, free=True)
+    hard_negatives: int = arg(0, "rewritten false captions per sample as IP-T's extra columns (IDC-PCL's FDA; 0: the "
+                              "paper's)", low=0, high=64)
+    rewrites: str = arg("retrieve,replace,confuse", "with --hard_negatives: the kinds of rewrite, shared out evenly")
+
+    def check(self):
+        if not set(self.rewrites.split(",")) <= set(KINDS):
+            raise InputError(f"--rewrites {self.rewrites}: expected some of {','.join(KINDS)}, comma-separated")
+        if "preset" in self.given and self.init == "openai":
+            raise InputError(f"--preset {self.preset}: the shape of a CLIP from random weights (--init random); with "
+                             "--init openai, the --clip file gives it")
+        if "clip" in self.given and self.init == "random":
+            raise InputError(f"--clip {self.clip}: read only with --init openai, and this run starts from random weights")
 
 
-# The offline default: what `--data synth` changes unless a flag says otherwise (docs/offline-default.md says why).
-# Its CLIP is the small one pretrain.py made of synthetic scenes; the parameters it lacks learn at four times
-# its rate, which suits random weights of its shape (--init random) as well.
-SYNTH_DEFAULTS = dict(preset="small", init="openai", clip="assets/clip_synth.pt", n_intra=2, n_inter=2, epochs=5,
-                      batch_size=48, lr=4e-3, lr_clip=1e-3, weight_decay=0.05, cache=True)
-# --recipe authors: their script adapts 20 epochs on Spot-the-Diff (12 on CLEVR-Change, as the paper says); they have
-# none for Birds-to-Words, which takes Spot-the-Diff's (README), and CLEVR-DC, which takes CLEVR-Change's.
-AUTHORS_DEFAULTS = {"spot": dict(epochs=20), "birds": dict(epochs=20)}
 # The CLIP parameters that the authors' scripts freeze in both stages (their --freeze_layer_num 0):
 # the image tower's patch, class and position embeddings and ln_pre, the text tower's embeddings.
 AUTHORS_FROZEN = ("visual.conv1.weight", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre.weight",
@@ -173,13 +171,6 @@ class HardNegatives:
 
 
 def build_model(cfg):
-    if not set(cfg.rewrites.split(",")) <= set(KINDS):
-        raise InputError(f"--rewrites {cfg.rewrites}: expected some of {','.join(KINDS)}, comma-separated")
-    if cfg.init == "openai" and cfg.preset == "small" and cfg.data != "synth":  # on synth, the default of both
-        raise InputError("--preset small: the shape of a CLIP from random weights (--init random); with --init openai, "
-                         "the --clip file gives it")
-    if cfg.init == "random" and cfg.clip not in (AdaptConfig.clip, SYNTH_DEFAULTS["clip"]):  # not given
-        raise InputError(f"--clip {cfg.clip}: read only with --init openai, and this run starts from random weights")
     clip = None
     if cfg.init == "openai":
         with train.in_turns():  # under torchrun one process a machine downloads it; the others find it cached
@@ -204,7 +195,7 @@ def rsum(metrics):
 
 
 def main(argv=None):
-    cfg, device = train.start_run(AdaptConfig, SYNTH_DEFAULTS, "adapt", argv, __doc__, AUTHORS_DEFAULTS)
+    cfg, device = train.start_run(AdaptConfig, argv, __doc__)
     model = build_model(cfg).to(device)
     print(f"pair encoder: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{model.config.n_intra} intra + {model.config.n_inter} inter layers")

@@ -117,7 +117,7 @@ def stage_model(args, negatives=0):
     """The stage's model at the paper's size (or the offline preset) and a random batch of its shape, in stage 1
     with `negatives` hard-negative captions a pair."""
     clip = SMALL_CLIP if args.preset == "small" else CLIPConfig()
-    n_intra = adapt.SYNTH_DEFAULTS["n_intra"] if args.preset == "small" else 9
+    n_intra = adapt.AdaptConfig().n_intra if args.preset == "small" else 9
     encoder = CLIP4IDC(CLIP4IDCConfig(clip=clip, n_intra=n_intra))
     size, b = clip.image_size, args.batch
     lengths = torch.randint(6, 20, (b * (2 if args.stage == 2 else 1 + negatives),))  # where EOT sits: CLEVR-Change-like
@@ -129,7 +129,7 @@ def stage_model(args, negatives=0):
     if args.stage == 1:
         batch = pixels, torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8), ids[:b]
         return encoder, batch + ((ids[b:].view(b, negatives, 32),) if negatives else ())
-    small = {k: caption.SYNTH_DEFAULTS[k] for k in ("heads", "ffn", "dropout", "attn_dropout")}  # the offline captioner
+    small = {k: getattr(caption.CaptionConfig(), k) for k in ("heads", "ffn", "dropout", "attn_dropout")}  # the offline captioner
     config = CaptionerConfig(**small, vocab=(*words, EOT)) if args.preset == "small" else CaptionerConfig()
     captioner = Captioner(encoder, config)
     return captioner, (pixels, torch.randint(0, 256, (b, 2, 3, size, size), dtype=torch.uint8), ids.view(b, 2, 32))

@@ -25,76 +25,76 @@ import train
 from adapt import AdaptConfig, build_model, freeze_as_authors
 from cli import InputError
 from model import CLIP4IDC, IGNORE, Captioner, CaptionerConfig, next_tokens
+from train import arg
 
 
 @dataclass
-class CaptionConfig:  # defaults: Appendix B and the authors' code
-    data: Literal["synth", "clevr", "spot", "ier", "birds", "clevr_dc"] = "synth"  # synth: the offline CLEVR-Change look-alike
-    data_root: str = ""  # dataset folder (default: data/<data>)
-    out_dir: str = ""  # run folder for checkpoints, metrics and predictions (default: out/caption-<data>)
-    init_from: str = ""  # the pair encoder: a stage-1 checkpoint, ours or the authors' (default: out/adapt-<data>/best.pt), or openai
-    clip: str = "ViT-B/32"  # with --init_from openai: OpenAI's model name or a checkpoint path
-    n_intra: int = 9  # with --init_from openai or an authors' file: layers that see one image
-    n_inter: int = 3  # with --init_from openai: layers that see the pair (an authors' file: its layers after n_intra)
-    layers: int = 3  # captioning encoder layers, and as many decoder layers
-    heads: int = 8  # attention heads of the captioner
-    ffn: int = 2048  # hidden units of the captioner's feed-forward layers
-    dropout: float = 0.1  # the captioner's dropout
-    attn_dropout: float = 0.1  # the captioner's dropout on attention weights
-    max_len: int = 33  # caption tokens, SOT and EOT included, in training and decoding: 32 steps after SOT
-    vocab: Literal["clip", "train"] = "clip"  # the words the captioner may write: all of CLIP's, or its training captions'
-    beam: int = 1  # the test captions' beam width (1: greedy); validation, which picks the best epoch, stays greedy
-    length_penalty: float = 1.0  # with --beam above 1: a caption scores its sum of log probabilities / length ** this
-    epochs: int = 50  # at most: early stopping may end sooner
-    batch_size: int = 16  # the global batch of pairs, over all processes
-    lr: float = 1e-4  # the captioning model, with the word embeddings it shares with CLIP
-    lr_clip: float = 1e-7  # the pair encoder
-    weight_decay: float = 0.01  # AdamW's, on matrices only
-    beta2: float = 0.999  # AdamW's second-moment decay, as the authors' BertAdam
-    warmup: float = 0.1  # fraction of the steps with a rising rate; then linear decay
-    grad_clip: float = 1.0  # largest gradient norm (0: no clipping)
-    patience: int = 11  # stop after this many epochs without a better val CIDEr, as the authors' loop (0: never)
-    seed: int = 42  # model initialisation, data order, caption choice, dropout
-    max_steps: int = 0  # stop after this many steps (0: all epochs)
-    cache: bool = False  # decode and resize every image once, into a uint8 file beside the data (image_store.ImageStore)
-    amp: Literal["auto", "bf16", "fp16", "off"] = "auto"  # mixed precision; auto: bf16 (else fp16) on CUDA, off on CPU
-    compile: bool = False  # torch.compile the training step
-    device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)
-    workers: int = -1  # loader processes (-1: from the machine's cores, see data.loader_workers)
-    log_every: int = 50  # steps between progress lines
-    save_every: int = 1000  # steps between resumable checkpoints (also at each epoch's end)
-    resume: bool = False  # continue the run in --out_dir from its last.pt
-    overwrite: bool = False  # replace the run in --out_dir with a new one
-    recipe: Literal["paper", "authors"] = "paper"  # paper: the paper and our choices; authors: as their code trains (README)
+class CaptionConfig(train.RunConfig):
+    """Appendix B and the authors' code. `--data synth`, the offline default, trains a small captioner on the small
+    pair encoder of stage 1, which trains at the captioner's rate: far from converged, it still learns what captions
+    need (at a tenth of it, every seed tried scored lower). Dropout is off: a run of a few epochs learns faster
+    without it, and on a CPU attention dropout forces the slow attention kernel. Scoring only the words of the
+    training captions, not all 49,408 of CLIP's, takes about 40% off the time of a step (docs/offline-default.md)."""
+    stage = "caption"
+    data: Literal["synth", "clevr", "spot", "ier", "birds", "clevr_dc"] = arg(
+        "synth", "synth: the offline CLEVR-Change look-alike")
+    recipe: Literal["paper", "authors"] = arg("paper", "paper: the paper and our choices; authors: as their code trains")
+    init_from: str = arg("", "the pair encoder: a stage-1 checkpoint, ours or the authors' (default: "
+                         "out/adapt-<data>/best.pt), or openai", free=True)
+    clip: str = arg("ViT-B/32", "with --init_from openai: OpenAI's model name or a checkpoint path",
+                    synth="assets/clip_synth.pt", free=True)
+    n_intra: int = arg(9, "with --init_from openai or an authors' file: layers that see one image", synth=2, low=0, free=True)
+    n_inter: int = arg(3, "with --init_from openai: layers that see the pair (an authors' file: its layers after "
+                       "n_intra)", synth=2, low=0, free=True)
+    layers: int = arg(3, "captioning encoder layers, and as many decoder layers", low=1)
+    heads: int = arg(8, "attention heads of the captioner", synth=4, low=1)
+    ffn: int = arg(2048, "hidden units of the captioner's feed-forward layers", synth=512, low=1)
+    dropout: float = arg(0.1, "the captioner's dropout", synth=0.0, low=0, high=0.99)
+    attn_dropout: float = arg(0.1, "the captioner's dropout on attention weights", synth=0.0, low=0, high=0.99)
+    max_len: int = arg(33, "caption tokens, SOT and EOT included, in training and decoding: 32 steps after SOT", low=2)
+    vocab: Literal["clip", "train"] = arg("clip", "the words the captioner may write: all of CLIP's, or its training "
+                                          "captions'", synth="train")
+    beam: int = arg(1, "the test captions' beam width (1: greedy); validation, which picks the best epoch, stays greedy",
+                    low=1, free=True)
+    length_penalty: float = arg(1.0, "with --beam above 1: a caption scores its sum of log probabilities / length ** "
+                                "this", low=0, free=True)
+    epochs: int = arg(50, "at most: early stopping may end sooner", synth=6)
+    batch_size: int = arg(16)
+    lr: float = arg(1e-4, "the captioning model, with the word embeddings it shares with CLIP", synth=1e-3)
+    lr_clip: float = arg(1e-7, "the pair encoder", synth=1e-3, low=0)
+    weight_decay: float = arg(0.01)
+    beta2: float = arg(0.999, "AdamW's second-moment decay, as the authors' BertAdam", synth=0.98)
+    patience: int = arg(11, "stop after this many epochs without a better val CIDEr, as the authors' loop (0: never)",
+                        low=0, free=True)
+    seed: int = arg(42, authors={"clevr": 2021, "clevr_dc": 2021})  # their CLEVR-Change script's; CLEVR-DC takes it
+    cache: bool = arg(False, "decode and resize every image once, into a uint8 file beside the data", synth=True, free=True)
+    log_every: int = arg(50)
+    save_every: int = arg(1000)
 
-
-# The offline default: a small captioner on the small pair encoder of stage 1, which trains at the captioner's
-# rate: far from converged, it still learns what captions need (at a tenth of it, every seed tried scored lower).
-# Dropout is off: a run of a few epochs learns faster without it, and on a CPU attention dropout forces the
-# slow attention kernel. Scoring only the words of the training captions, not all 49,408 of CLIP's, takes
-# about 40% off the time of a step (docs/offline-default.md).
-SYNTH_DEFAULTS = dict(clip="assets/clip_synth.pt", n_intra=2, n_inter=2, heads=4, ffn=512, dropout=0.0, attn_dropout=0.0,
-                      epochs=6, lr=1e-3, lr_clip=1e-3, beta2=0.98, vocab="train", cache=True)
-# --recipe authors: their script for CLEVR-Change seeds stage 2 with 2021; CLEVR-DC takes CLEVR-Change's (README).
-AUTHORS_DEFAULTS = {"clevr": dict(seed=2021), "clevr_dc": dict(seed=2021)}
+    def check(self):
+        if "length_penalty" in self.given and self.beam == 1:
+            raise InputError(f"--length_penalty {self.length_penalty}: read only with --beam above 1 (greedy decoding "
+                             "weighs no lengths)")
+        if "clip" in self.given and self.init_from != "openai":
+            raise InputError(f"--clip {self.clip}: read only with --init_from openai, and the pair encoder comes from "
+                             f"{self.init_from or f'out/adapt-{self.data}/best.pt'}")
+        if self.init_from == "openai" and self.lr_clip == 0:
+            raise InputError("--lr_clip 0 with --init_from openai would leave e1, e2 and p as drawn: freeze a pair "
+                             "encoder that stage 1 trained")
 
 
 def build_captioner(cfg, device):
     if cfg.resume:  # last.pt holds the whole model: the stage-1 file may have moved or gone
         last = Path(cfg.out_dir) / "last.pt"
-        encoder = clip_weights.model_from_config({"encoder": clip_weights.read_checkpoint(last, mmap=True)["model_config"]
-                                                  .get("encoder")}, last)
+        saved = clip_weights.read_checkpoint(last, mmap=True)
+        cfg.init_from, cfg.clip = saved["config"]["init_from"], saved["config"]["clip"]  # where the run started, on record
+        encoder = clip_weights.model_from_config({"encoder": saved["model_config"].get("encoder")}, last)
         record_split(cfg, encoder, last)
     elif cfg.init_from == "openai":
-        if cfg.lr_clip == 0:
-            raise InputError("--lr_clip 0 with --init_from openai would leave e1, e2 and p as drawn: freeze a pair "
-                             "encoder that stage 1 trained")
         encoder = build_model(AdaptConfig(data=cfg.data, init="openai", clip=cfg.clip, n_intra=cfg.n_intra,
                                           n_inter=cfg.n_inter))
     else:
         path = cfg.init_from or f"out/adapt-{cfg.data}/best.pt"
-        if cfg.clip not in (CaptionConfig.clip, SYNTH_DEFAULTS["clip"]):  # not given
-            raise InputError(f"--clip {cfg.clip}: read only with --init_from openai, and the pair encoder comes from {path}")
         if not Path(path).exists():
             raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run `python adapt.py --data {cfg.data}` "
                                     "first, or pass --init_from PATH (or --init_from openai to skip adaptation)")
@@ -122,7 +122,7 @@ def record_split(cfg, encoder, path):
     model's split: a flag may only repeat it (ours record both; the authors' files take them from the flags)."""
     for flag in ("n_intra", "n_inter"):
         given, held = getattr(cfg, flag), getattr(encoder.config, flag)
-        if given not in (getattr(CaptionConfig, flag), SYNTH_DEFAULTS[flag], held):
+        if flag in cfg.given and given != held:
             raise InputError(f"--{flag} {given}: the pair encoder in {path} has {flag} {held}; expected that or no "
                              "flag (an authors' file is split by --n_intra)")
         setattr(cfg, flag, held)
@@ -147,10 +147,7 @@ def train_words(tokens):
 
 
 def main(argv=None):
-    cfg, device = train.start_run(CaptionConfig, SYNTH_DEFAULTS, "caption", argv, __doc__, AUTHORS_DEFAULTS)
-    if cfg.beam == 1 and cfg.length_penalty != CaptionConfig.length_penalty:
-        raise InputError(f"--length_penalty {cfg.length_penalty}: read only with --beam above 1 (greedy decoding "
-                         "weighs no lengths)")
+    cfg, device = train.start_run(CaptionConfig, argv, __doc__)
     captioner = build_captioner(cfg, device)  # before the data: flags it cannot take leave nothing on disk
     evaluate.require_java()  # validation scores with it: refuse now, not after the first epoch
     encoder = captioner.encoder.config  # its split is printed below: the config line shows the flags as given

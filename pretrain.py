@@ -17,7 +17,6 @@ import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -29,37 +28,37 @@ import data
 import image_store
 import synth
 import train
+from cli import InputError
 from model import CLIP, SMALL_CLIP
+from train import arg
 from tokenizer import EOT, SOT, get_tokenizer
 
 
 @dataclass
-class PretrainConfig:
-    data_root: str = "data/scenes"  # where the scenes are drawn on first use, and their image store
-    out_dir: str = "out/pretrain"  # run folder: checkpoints, metrics.json and clip.pt
-    scenes: int = 50000  # training scenes; 500 more are held out for the zero-shot test
-    negatives: int = 3  # texts per image with one attribute swapped (0: CLIP's loss alone)
-    relations: float = 0.3  # share of descriptions that place the object by another one, not on the floor
-    width: int = 64  # of both towers and the embedding (heads of 64, as OpenAI's files imply)
-    vision_layers: int = 4
-    text_layers: int = 2
-    epochs: int = 40  # passes over the training scenes, each with new descriptions
-    batch_size: int = 128  # images (and their true descriptions) a step, over all processes
-    lr: float = 1e-3
-    weight_decay: float = 0.1  # AdamW's, on matrices only
-    beta2: float = 0.98  # AdamW's second-moment decay, as CLIP was trained
-    warmup: float = 0.02  # fraction of the steps with a rising rate; then cosine decay
-    grad_clip: float = 1.0  # largest gradient norm (0: no clipping)
-    seed: int = 0  # model initialisation, data order, descriptions
-    max_steps: int = 0  # stop after this many steps (0: all epochs)
-    amp: Literal["auto", "bf16", "fp16", "off"] = "auto"  # mixed precision; auto: bf16 (else fp16) on CUDA, off on CPU
-    compile: bool = False  # torch.compile the training step
-    device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)
-    workers: int = -1  # loader processes (-1: from the machine's cores, see data.loader_workers)
-    log_every: int = 50  # steps between progress lines
-    save_every: int = 1000  # steps between resumable checkpoints (also at each epoch's end)
-    resume: bool = False  # continue the run in --out_dir from its last.pt
-    overwrite: bool = False  # replace the run in --out_dir with a new one
+class PretrainConfig(train.RunConfig):
+    stage = "pretrain"
+    data_root: str = arg("data/scenes", "where the scenes are drawn on first use, and their image store")
+    out_dir: str = arg("out/pretrain", "run folder: checkpoints, metrics.json and clip.pt")
+    scenes: int = arg(50000, "training scenes; 500 more are held out for the zero-shot test", low=1)
+    negatives: int = arg(3, "texts per image with one attribute swapped (0: CLIP's loss alone)", low=0, high=5)
+    relations: float = arg(0.3, "share of descriptions that place the object by another one, not on the floor", low=0,
+                           high=1)
+    width: int = arg(64, "of both towers and the embedding: a multiple of 64, OpenAI's head width, which its files "
+                     "imply", low=64)
+    vision_layers: int = arg(4, "layers of the image tower", low=1)
+    text_layers: int = arg(2, "layers of the text tower", low=1)
+    epochs: int = arg(40, "passes over the training scenes, each with new descriptions")
+    batch_size: int = arg(128, "images (and their true descriptions) a step, over all processes")
+    lr: float = arg(1e-3, "of every parameter")
+    weight_decay: float = arg(0.1)
+    warmup: float = arg(0.02)
+    seed: int = arg(0, "model initialisation, data order, descriptions")
+    log_every: int = arg(50)
+    save_every: int = arg(1000)
+
+    def check(self):
+        if self.width % 64:
+            raise InputError(f"--width {self.width}: expected a multiple of 64, OpenAI's head width, which its files imply")
 
 
 HELD_OUT = 500  # scenes after the training ones, for the zero-shot test
@@ -238,10 +237,10 @@ def prepare_scenes(cfg, size):
         if turn < 2 and not root.exists():
             synth.write_scenes(root, cfg.scenes + HELD_OUT, seed=0)
         if not (path := root / "scenes.json").is_file():
-            raise cli.InputError(f"--data_root {root}: no scenes.json; expected the scenes pretrain.py draws there")
+            raise InputError(f"--data_root {root}: no scenes.json; expected the scenes pretrain.py draws there")
         graphs = json.loads(path.read_text())
         if len(graphs) != cfg.scenes + HELD_OUT:
-            raise cli.InputError(f"{path}: {len(graphs)} scenes, not the {cfg.scenes} + {HELD_OUT} of --scenes "
+            raise InputError(f"{path}: {len(graphs)} scenes, not the {cfg.scenes} + {HELD_OUT} of --scenes "
                                  f"{cfg.scenes}: delete {root} to draw them, or give another --data_root")
         scenes = [(root / f"scene_{i:06d}.png", g) for i, g in enumerate(graphs)]
         store = image_store.ImageStore([data.Pair(str(p), p, p, []) for p, _ in scenes], size, root)
@@ -256,9 +255,7 @@ def small_clip(cfg):
 
 
 def main(argv=None):
-    cfg, device = train.start_run(PretrainConfig, {}, "pretrain", argv, __doc__)
-    if cfg.width % 64:
-        raise cli.InputError(f"--width {cfg.width}: expected a multiple of 64, OpenAI's head width, which its files imply")
+    cfg, device = train.start_run(PretrainConfig, argv, __doc__)
     clip = CLIP(small_clip(cfg))
     model = Pretraining(clip).to(device)
     print(f"CLIP: {sum(p.numel() for p in clip.parameters()) / 1e6:.2f}M parameters ({clip.config})")

@@ -13,20 +13,18 @@ prints, validates, and writes checkpoints and metrics. Rank 0, then the first pr
 machine, generates data, builds the image store and downloads OpenAI's CLIP where they are missing.
 """
 import argparse
-import dataclasses
-import inspect
 import itertools
 import logging
 import math
 import os
-import re
 import sys
 import time
 import typing
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -40,75 +38,111 @@ import synth
 from cli import InputError
 from model import CaptionerConfig, CLIP4IDCConfig
 
-# The values a flag may take, both ends included (None: open); checked before anything is built.
-LIMITS = {"epochs": (1, None), "batch_size": (1, None), "log_every": (1, None), "save_every": (1, None),
-          "max_steps": (0, None), "patience": (0, None), "workers": (-1, data.MAX_WORKERS), "lr": (0, None),
-          "lr_clip": (0, None), "weight_decay": (0, None), "grad_clip": (0, None), "warmup": (0, 1), "beta2": (0, 0.9999),
-          "dropout": (0, 0.99), "attn_dropout": (0, 0.99), "n_intra": (0, None), "n_inter": (0, None), "layers": (1, None),
-          "heads": (1, None), "ffn": (1, None), "max_len": (2, None), "seed": (0, 2**32 - 1),
-          "beam": (1, None), "length_penalty": (0, None), "hard_negatives": (0, 64),
-          "scenes": (1, None), "negatives": (0, 5), "relations": (0, 1),
-          "width": (64, None), "vision_layers": (1, None), "text_layers": (1, None)}
-# What a resumed run may change: nothing that shapes the model, the optimiser, the data order or the schedule.
-# What a model starts from (--clip, --init_from) may move: last.pt holds the weights, and resume() checks the shape.
-RESUME_FREE = ("resume", "overwrite", "workers", "log_every", "save_every", "device", "compile", "cache", "data_root",
-               "out_dir", "patience", "clip", "init_from", "beam", "length_penalty")
 RUN_FILES = ("last.pt", "best.pt", "metrics.json", "test_predictions.json", "examples.png")  # what a run writes
 
 
-# ---- Flags, run folder, processes, device and precision -----------------------------------------
-def field_help(config_cls):
-    """Each field's trailing comment in the dataclass source: its flag's help."""
-    lines = inspect.getsource(config_cls).splitlines()
-    return dict(m.groups() for m in map(re.compile(r"\s+(\w+): .*?#\s*(.*)").match, lines) if m)
+# ---- Flags: each field of a stage's config ------------------------------------------------------
+def arg(default, help=None, synth=None, authors=None, low=None, high=None, free=False):
+    """A config field and its flag: the default on the paper's datasets, on `--data synth` (the offline default) and
+    under `--recipe authors` ({data: value}); its help; the values it may take, `low` to `high`; `free`: a resumed
+    run may change it. A stage that declares a shared field again gives it its own default, and keeps the rest."""
+    kept = {k: v for k, v in dict(help=help, low=low, high=high, free=free or None).items() if v is not None}
+    return field(default=None, metadata=dict(default=default, synth=synth, authors=authors or {}, **kept))
 
 
-def parse_config(config_cls, synth_defaults, stage, argv=None, doc=None, authors_defaults=None):
-    """Every dataclass field becomes a flag; `--data synth` first applies `synth_defaults`, and
-    `--recipe authors` then `authors_defaults[data]`: flags given on the command line win over both."""
-    authors_defaults = authors_defaults or {}
+@dataclass
+class RunConfig:
+    """What a run of every stage is set by; a stage's config adds its own fields. A field left None takes its
+    default for the run's --data and --recipe, so that `AdaptConfig()` is what `python adapt.py` runs; `given`
+    names the fields that were set, and a check that depends on it need not guess from a field's value."""
+    data_root: str = arg("", "dataset folder (default: data/<data>)", free=True)
+    out_dir: str = arg("", "run folder for checkpoints and metrics (default: out/<stage>-<data>)", free=True)
+    epochs: int = arg(None, "passes over the training set", low=1)
+    batch_size: int = arg(None, "the global batch, over all processes", low=1)
+    lr: float = arg(None, "the learning rate of what the stage adds to CLIP", low=0)
+    weight_decay: float = arg(None, "AdamW's, on matrices only", low=0)
+    beta2: float = arg(0.98, "AdamW's second-moment decay, as CLIP was trained", low=0, high=0.9999)
+    warmup: float = arg(0.1, "fraction of the steps with a rising rate; then the stage's decay", low=0, high=1)
+    grad_clip: float = arg(1.0, "largest gradient norm (0: no clipping)", low=0)
+    seed: int = arg(42, "model initialisation, data order, dropout, all that is drawn", low=0, high=2**32 - 1)
+    max_steps: int = arg(0, "stop after this many steps (0: all epochs)", low=0)
+    amp: Literal["auto", "bf16", "fp16", "off"] = arg("auto", "mixed precision; auto: bf16 (else fp16) on CUDA, off on CPU")
+    compile: bool = arg(False, "torch.compile the training step", free=True)
+    device: str = arg("auto", "auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)", free=True)
+    workers: int = arg(-1, "loader processes (-1: from the machine's cores, see data.loader_workers)", low=-1,
+                       high=data.MAX_WORKERS, free=True)
+    log_every: int = arg(20, "steps between progress lines", low=1, free=True)
+    save_every: int = arg(500, "steps between resumable checkpoints (also at each epoch's end)", low=1, free=True)
+    resume: bool = arg(False, "continue the run in --out_dir from its last.pt", free=True)
+    overwrite: bool = arg(False, "replace the run in --out_dir with a new one", free=True)
 
-    def flags(preset):
-        return ", ".join(f"--{'' if v else 'no-'}{k}" if isinstance(v, bool) else f"--{k} {v}"
-                         for k, v in preset.items())
-    epilog = f"--data synth (the offline default) sets: {flags(synth_defaults)}"
-    epilog += "".join(f"; --recipe authors with --data {d} sets: {flags(p)}" for d, p in authors_defaults.items())
-    parser = cli.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
-    comments = field_help(config_cls)
-    for f in dataclasses.fields(config_cls):
-        low, high = LIMITS.get(f.name, (None, None))
-        allowed = "" if low is None else f"; {low} to {high}" if high else f"; at least {low}"
-        default = "" if f.default == "" else f" (default: {f.default}{allowed})"
-        kind = dict(help=comments.get(f.name, "") + default, default=None)
+    def __post_init__(self):
+        self.given = frozenset(f.name for f in fields(self) if getattr(self, f.name) is not None)
+        for f in sorted(fields(self), key=lambda f: f.name not in ("data", "recipe")):  # the others' defaults follow them
+            if getattr(self, f.name) is None:
+                setattr(self, f.name, self.default(f.name))
+        self.data_root = self.data_root or f"data/{self.data}"
+        self.out_dir = self.out_dir or f"out/{self.stage}-{self.data}"
+        for name, value in asdict(self).items():
+            low, high = self.meta(name).get("low"), self.meta(name).get("high")
+            finite = not isinstance(value, float) or math.isfinite(value)  # ints of any size are finite
+            if low is not None and not (finite and low <= value and (high is None or value <= high)):
+                expected = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise InputError(f"--{name} {value}: expected a {'value' if finite else 'finite value'} {expected}")
+            if isinstance(value, int) and value >= 2**63:  # beyond torch's 64-bit sizes and counts: deep in torch
+                raise InputError(f"--{name} {value}: expected a value below 2**63, as torch's sizes and counts are 64-bit")
+        if self.resume and self.overwrite:
+            raise InputError("--resume continues the run in --out_dir and --overwrite starts it anew: give one")
+        if self.lr == getattr(self, "lr_clip", None) == 0:  # a rate of 0 freezes (make_optimizer)
+            raise InputError("--lr 0 and --lr_clip 0: nothing would train; expected a rate above 0 for one of them")
+        self.check()
+
+    def check(self):
+        """A stage's checks of flags that depend on one another."""
+
+    @classmethod
+    def meta(cls, name):
+        """Field `name`'s arg(), with the help and limits of its first declaration."""
+        first = next(c.__dataclass_fields__[name] for c in reversed(cls.__mro__) if name in vars(c).get(
+            "__dataclass_fields__", {}))
+        return {**first.metadata, **cls.__dataclass_fields__[name].metadata}
+
+    def default(self, name):
+        meta, data_set = self.meta(name), getattr(self, "data", None)
+        if getattr(self, "recipe", None) == "authors" and data_set in meta["authors"]:
+            return meta["authors"][data_set]
+        return meta["synth"] if data_set == "synth" and meta["synth"] is not None else meta["default"]
+
+
+def defaults_and_limits(meta):
+    """The end of a flag's help: "(default: 12; --data synth: 5; --recipe authors --data spot or birds: 20; at least 1)"."""
+    said = [f"default: {meta['default']}"] if meta["default"] != "" else []
+    said += [f"--data synth: {meta['synth']}"] if meta["synth"] is not None else []
+    for value in dict.fromkeys(meta["authors"].values()):
+        said.append(f"--recipe authors --data {' or '.join(d for d, v in meta['authors'].items() if v == value)}: {value}")
+    if meta.get("low") is not None:
+        said.append(f"{meta['low']} to {meta['high']}" if meta.get("high") is not None else f"at least {meta['low']}")
+    return f" ({'; '.join(said)})" if said else ""
+
+
+def parse_config(config_cls, argv=None, doc=None):
+    """The config of a command line: each field of `config_cls` is a flag, the stage's own listed first."""
+    parser = cli.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in sorted(fields(config_cls), key=lambda f: f.name in RunConfig.__dataclass_fields__):
+        meta = config_cls.meta(f.name)
+        kind = dict(help=meta["help"].replace("<stage>", config_cls.stage) + defaults_and_limits(meta), default=None)
         if f.type is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kind)
         else:
             choices = typing.get_args(f.type) if typing.get_origin(f.type) is typing.Literal else None
-            parser.add_argument(f"--{f.name}", type=type(f.default), choices=choices, **kind)
-    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
-    cfg = config_cls(**given)
-    data_set = getattr(cfg, "data", "synth")  # pretrain.py's config has no --data: its scenes are synthetic
-    presets = {**(synth_defaults if data_set == "synth" else {}),
-               **(authors_defaults.get(data_set, {}) if getattr(cfg, "recipe", "") == "authors" else {})}
-    cfg = dataclasses.replace(cfg, **{**presets, **given})
-    for name, (low, high) in LIMITS.items():
-        value = getattr(cfg, name, None)
-        finite = not isinstance(value, float) or math.isfinite(value)  # ints of any size are finite
-        if value is not None and not (low <= value and (high is None or value <= high) and finite):
-            kind = "value" if finite else "finite value"
-            parser.error(f"--{name} {value}: expected a {kind} {f'in [{low}, {high}]' if high else f'>= {low}'}")
-        parser.require_64_bit(name, value)
-    if cfg.lr == getattr(cfg, "lr_clip", None) == 0:  # a rate of 0 freezes (make_optimizer)
-        parser.error("--lr 0 and --lr_clip 0: nothing would train; expected a rate above 0 for one of them")
-    cfg.data_root = cfg.data_root or f"data/{cfg.data}"
-    cfg.out_dir = cfg.out_dir or f"out/{stage}-{cfg.data}"
-    return cfg
+            parser.add_argument(f"--{f.name}", type=type(meta["default"]), choices=choices, **kind)
+    return config_cls(**{k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None})
 
 
-def start_run(config_cls, synth_defaults, stage, argv=None, doc=None, authors_defaults=None):
-    """The first steps of both stages: flags, checks of the data and run folders, processes, device,
+def start_run(config_cls, argv=None, doc=None):
+    """The first steps of every stage: flags, checks of the data and run folders, processes, device,
     seeds. Only rank 0 prints. Nothing is built, downloaded or written before the checks pass."""
-    cfg = parse_config(config_cls, synth_defaults, stage, argv, doc, authors_defaults)
+    cfg = parse_config(config_cls, argv, doc)
     processes = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.batch_size % processes:
         raise InputError(f"--batch_size {cfg.batch_size} does not split evenly over {processes} processes")
@@ -149,8 +183,6 @@ def check_run_folder(cfg, held=False):
     if not held and (out / ".lock").is_file() and os.environ.get("RANK", "0") == "0":  # a run trains there
         with open(out / ".lock", "a") as lock:  # closing it lets go (of this process's lock too, were it held)
             cli.take_lock(lock, out)
-    if cfg.resume and cfg.overwrite:
-        raise InputError("--resume continues the run in --out_dir and --overwrite starts it anew: give one")
     if cfg.resume and not (out / "last.pt").is_file():
         raise InputError(f"--resume: there is no {out / 'last.pt'} to resume from")
     if cfg.resume and (out / "metrics.json").is_file():
@@ -163,14 +195,11 @@ def check_run_folder(cfg, held=False):
                 and isinstance(saved["state"], dict) and "step" in saved["state"]):
             raise InputError(f"--resume: {out / 'last.pt'} is not a last.pt of adapt.py or caption.py")
         saved = saved["config"]
-        if ("init_from" in saved) != hasattr(cfg, "init_from"):  # a stage-2 setting
-            other = "caption.py" if "init_from" in saved else "adapt.py"
+        if set(saved) - set(asdict(cfg)):  # settings of another stage
+            other = next((f"{c.stage}.py" for c in RunConfig.__subclasses__() if set(saved) <= set(asdict(c()))), "")
             raise InputError(f"--resume: {out / 'last.pt'} is a run of {other}: resume it with {other}")
-        free = RESUME_FREE
-        if "init_from" in saved:  # stage 2 rebuilds its model from last.pt: where the run started stays on record,
-            cfg.init_from, cfg.clip = saved["init_from"], saved["clip"]  # and the split flags are checked against its
-            free += ("n_intra", "n_inter")  # pair encoder (caption.record_split)
-        if changed := {k: v for k, v in differences(saved, asdict(cfg), asdict(type(cfg)())).items() if k not in free}:
+        changed = differences(saved, asdict(cfg), asdict(type(cfg)()))
+        if changed := {k: v for k, v in changed.items() if not cfg.meta(k).get("free")}:
             raise InputError(f"--resume: {out / 'last.pt'} was trained with other settings, (saved, now): "
                              f"{changed}; resume with the same ones")
     elif earlier and not cfg.overwrite:
@@ -471,3 +500,10 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     if cli.rank() == 0:  # what the run scores
         model.load_state_dict(clip_weights.read_checkpoint(out / "best.pt")["model"])
     return state
+
+
+if __name__ == "__main__":  # the loop has no command line of its own: each stage's runs it
+    parser = cli.ArgumentParser(description=__doc__ + "\nIts flags are each stage's: python adapt.py --help, python "
+                                "caption.py --help, python pretrain.py --help.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args()
+    parser.print_help()

@@ -1,5 +1,6 @@
 """--recipe authors trains as the authors' code: their frozen parameters, their loss, their scripts'
 epochs and seed; and the README's table says what the code does."""
+import dataclasses
 import re
 from pathlib import Path
 
@@ -38,15 +39,16 @@ def test_stage_1_freezes_what_their_script_freezes():
                                          ("birds", {"encoder.clip.token_embedding.weight"})])  # Spot-the-Diff's
 def test_stage_2_freezes_per_dataset_and_their_word_embeddings_move_at_clips_rate(tmp_path, data, trains):
     torch.save(authors_state_dict(1), tmp_path / "pytorch_model.bin")
-    cfg = caption.CaptionConfig(data=data, init_from=str(tmp_path / "pytorch_model.bin"), n_intra=IO["n_intra"],
-                                n_inter=1, layers=1, heads=2, ffn=32, recipe="authors")
+    flags = dict(data=data, init_from=str(tmp_path / "pytorch_model.bin"), n_intra=IO["n_intra"], n_inter=1, layers=1,
+                 heads=2, ffn=32)
+    cfg = caption.CaptionConfig(**flags, recipe="authors")
     captioner = caption.build_captioner(cfg, "cpu")
     text_tower = {"encoder.clip." + n for n, _ in captioner.encoder.clip.named_parameters()
                   if not n.startswith("visual.") and n not in ("token_embedding.weight", "positional_embedding")}
     authors = {"encoder.clip." + name for name in adapt.AUTHORS_FROZEN}
     assert frozen(captioner) == (authors | text_tower) - trains  # the rest of the text tower: frozen in both recipes
     assert "encoder.clip.token_embedding.weight" not in caption.new_parameter_names(captioner, cfg)
-    paper_cfg = caption.CaptionConfig(**{**vars(cfg), "recipe": "paper"})
+    paper_cfg = caption.CaptionConfig(**flags, recipe="paper")
     paper = caption.build_captioner(paper_cfg, "cpu")
     assert frozen(paper) == text_tower
     assert "encoder.clip.token_embedding.weight" in caption.new_parameter_names(paper, paper_cfg)
@@ -61,9 +63,7 @@ def test_stage_1_loss_is_half_the_default_one():
 
 
 def settings(stage, *argv):
-    config = adapt.AdaptConfig if stage is adapt else caption.CaptionConfig
-    return train.parse_config(config, stage.SYNTH_DEFAULTS, "run", list(argv),
-                              authors_defaults=stage.AUTHORS_DEFAULTS)
+    return train.parse_config(adapt.AdaptConfig if stage is adapt else caption.CaptionConfig, list(argv))
 
 
 def test_the_recipe_takes_the_settings_of_their_script_for_each_dataset():
@@ -111,11 +111,11 @@ def table_row(setting):
 def test_readme_table_says_what_the_code_does():
     frozen_row = table_row("frozen CLIP parameters, both stages").split("|")[3]
     assert set(re.findall(r"`([\w.]+)`", frozen_row)) == set(adapt.AUTHORS_FROZEN)
-    for stage, config in ((adapt, adapt.AdaptConfig), (caption, caption.CaptionConfig)):
-        for preset in stage.AUTHORS_DEFAULTS.values():
-            for flag, value in preset.items():
-                assert f"`--{flag} {value}`" in README
-                assert f"`--{flag} {getattr(config, flag)}`" in README  # beside the default it replaces
+    for config in (adapt.AdaptConfig, caption.CaptionConfig):
+        for f in dataclasses.fields(config):
+            for data, value in config.meta(f.name)["authors"].items():
+                assert f"`--{f.name} {value}`" in README
+                assert f"`--{f.name} {getattr(config(data=data), f.name)}`" in README  # beside the default it replaces
     assert "(IP-T + T-IP) / 2" in table_row("stage-1 loss")
 
 
@@ -126,7 +126,7 @@ def recipe_leaves_as_ours():
 def test_readme_names_the_new_parameters_their_optimiser_decays_and_ours_does_not():
     model = small_encoder("paper")
     theirs, new = clip_weights.authors_names(model), model.new_parameter_names()
-    optimizer = train.make_optimizer(model, new, adapt.AdaptConfig())
+    optimizer = train.make_optimizer(model, new, adapt.AdaptConfig(data="clevr"))
     ours = {id(p): group["weight_decay"] > 0 for group in optimizer.param_groups for p in group["params"]}
     # their prep_optimizer decays every parameter whose name holds neither "bias" nor "LayerNorm."
     differ = {n for n, p in model.named_parameters() if n in new and "bias" not in theirs[n] and not ours[id(p)]}

@@ -2,7 +2,9 @@
 one line naming the flag, file or id and what was expected (exit status 2, no traceback), and
 nothing on disk changes; or it is handled as the user meant it."""
 import contextlib
+import dataclasses
 import errno
+import itertools
 import json
 import logging
 import math
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,6 +31,7 @@ import cli
 import clip_weights
 import data
 import evaluate
+import pretrain
 import synth
 import train
 import tokenizer
@@ -243,10 +247,10 @@ def test_flags_are_checked_before_anything_is_built(tmp_path, capsys, monkeypatc
 
 
 def test_both_ends_of_a_flags_range_are_accepted():
-    cfg = train.parse_config(adapt.AdaptConfig, adapt.SYNTH_DEFAULTS, "adapt", [
+    cfg = train.parse_config(adapt.AdaptConfig, [
         "--warmup", "1", "--beta2", "0.9999", "--seed", "4294967295", "--max_steps", "0", "--grad_clip", "0", "--workers", "256"])
     assert (cfg.warmup, cfg.beta2, cfg.seed, cfg.max_steps, cfg.grad_clip, cfg.workers) == (1, 0.9999, 2**32 - 1, 0, 0, 256)
-    cfg = train.parse_config(caption.CaptionConfig, caption.SYNTH_DEFAULTS, "caption", [
+    cfg = train.parse_config(caption.CaptionConfig, [
         "--dropout", "0.99", "--attn_dropout", "0.99", "--max_len", "2", "--patience", "0"])
     assert (cfg.dropout, cfg.attn_dropout, cfg.max_len, cfg.patience) == (0.99, 0.99, 2, 0)
 
@@ -509,24 +513,35 @@ def test_a_failed_download_is_one_line(root, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "a").exists()
 
 
-def test_help_describes_every_flag_and_what_synth_and_the_recipe_change(capsys):
-    for run, config, stage in ((adapt.main, adapt.AdaptConfig, adapt), (caption.main, caption.CaptionConfig, caption)):
-        with pytest.raises(SystemExit):
-            run(["--help"])
-        text = " ".join(capsys.readouterr().out.split())
-        descriptions = train.field_help(config)
-        for name, default in vars(config()).items():
-            assert descriptions.get(name), f"--{name} has no description"
-            assert descriptions[name] + ("" if default == "" else f" (default: {default}") in text, name
-        assert "--amp {auto,bf16,fp16,off}" in text and "--data {synth,clevr,spot,ier,birds,clevr_dc}" in text
-        assert "rising rate; then" in text and " (default: 0.1; 0 to 1) " in text  # --warmup's range, as LIMITS says
-        assert f"(default: {config.batch_size}; at least 1) " in text
-        presets = [stage.SYNTH_DEFAULTS, *stage.AUTHORS_DEFAULTS.values()]
-        listed = re.findall(r"sets: (.*?)(?:;|$)", text)  # each as flags to paste, in the order of `presets`
-        assert len(listed) == len(presets)
-        for flags, preset in zip(listed, presets):
-            cfg = train.parse_config(config, {}, "run", ["--data", "clevr", *flags.replace(",", "").split()])
-            assert {k: getattr(cfg, k) for k in preset} == preset
+def said_defaults(text, help):
+    """{"default": "12", "--data synth": "5", "--recipe authors --data spot or birds": "20", ...} of a flag's help."""
+    after = text.split(help, 1)[1]
+    said = after[2:].split(")")[0] if after.startswith(" (") else ""
+    return dict(part.split(": ", 1) for part in said.split("; ") if ": " in part)
+
+
+@pytest.mark.parametrize("run, config", [(adapt.main, adapt.AdaptConfig), (caption.main, caption.CaptionConfig),
+                                         (pretrain.main, pretrain.PretrainConfig)])
+def test_help_describes_every_flag_and_its_default_on_each_dataset_and_recipe(run, config, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "10000")  # a help on one line: argparse breaks lines at hyphens
+    with pytest.raises(SystemExit):
+        run(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    datasets = typing.get_args(config.__dataclass_fields__["data"].type) if config is not pretrain.PretrainConfig else [None]
+    for f in dataclasses.fields(config):
+        help = config.meta(f.name).get("help", "").replace("<stage>", config.stage)
+        assert help and f"--{f.name}" in text and help in text, f"--{f.name} has no description"
+        said = said_defaults(text, help)
+        for data_set, recipe in itertools.product(datasets, ("paper", "authors")):
+            cfg = config(data=data_set, recipe=recipe) if data_set else config()
+            by_recipe = next((v for k, v in said.items() if recipe == "authors" and k.startswith("--recipe authors")
+                              and data_set in k.split("--data ")[1].split(" or ")), None)
+            expected = by_recipe or said.get(f"--data {data_set}") or said.get("default")
+            if expected is not None and f.name not in ("data", "recipe"):  # --data_root, --out_dir: in words
+                assert expected == str(getattr(cfg, f.name)), (f.name, data_set, recipe)
+    assert "--amp {auto,bf16,fp16,off}" in text and f" (default: {config().warmup}; 0 to 1) " in text  # --warmup's
+    if config is adapt.AdaptConfig:
+        assert "(default: 12; --data synth: 5; --recipe authors --data spot or birds: 20; at least 1)" in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,8 +619,8 @@ def test_a_resumed_stage_2_run_may_change_its_patience_alone(tmp_path):
     torch.save(dict(config=asdict(saved), state=dict(step=0), rng=[], model={}, model_config={}, optimizer={},
                schedule={}), out / "last.pt")
     train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True))  # patience 11: when to stop, alone
-    with pytest.raises(InputError, match=r"'lr': \(0.0001, 0.001\)"):
-        train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True, lr=1e-3))
+    with pytest.raises(InputError, match=r"'lr': \(0.001, 0.01\)"):
+        train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True, lr=1e-2))
 
 
 def test_a_stage_2_run_resumes_without_its_stage_1_file_and_split_flags_that_repeat_its_encoders(
@@ -1064,8 +1079,7 @@ def test_a_captioners_words_beyond_clips_or_without_eot_are_named(tmp_path, caps
 
 def test_a_clip_file_that_is_not_clip_is_named(root, tmp_path, capsys):
     torch.save({"w": torch.zeros(2)}, tmp_path / "foreign.pt")
-    error = error_of(capsys, adapt.main, "--data_root", root, "--out_dir", tmp_path / "a", "--preset", "vit-b/32",
-                     "--init", "openai", "--clip", tmp_path / "foreign.pt")
+    error = error_of(capsys, adapt.main, "--data_root", root, "--out_dir", tmp_path / "a", "--clip", tmp_path / "foreign.pt")
     assert error.endswith(f"{tmp_path / 'foreign.pt'}: not a CLIP ViT checkpoint: missing keys ['visual.conv1.weight', "
                           "'visual.positional_embedding', 'visual.proj', 'positional_embedding', 'token_embedding.weight', "
                           "'ln_final.weight', 'text_projection']")
@@ -1075,8 +1089,8 @@ def test_a_clip_file_with_too_few_text_positions_for_a_caption_is_named(root, tm
     config = CLIPConfig(embed_dim=64, image_size=32, patch_size=16, vision_width=64, vision_layers=2, vision_heads=1,
                         context_length=16, text_width=64, text_layers=1, text_heads=1)
     torch.save(CLIP(config).state_dict(), tmp_path / "short.pt")
-    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "a", "--preset",
-                     "vit-b/32", "--init", "openai", "--clip", tmp_path / "short.pt", "--n_intra", 1, "--n_inter", 1)
+    error = error_of(capsys, adapt.main, *SMALL, "--data_root", root, "--out_dir", tmp_path / "a", "--clip",
+                     tmp_path / "short.pt", "--n_intra", 1, "--n_inter", 1)
     assert error.endswith(f"--clip {tmp_path / 'short.pt'}: 16 text positions; expected at least 32, the length of a "
                           "caption in tokens")
     assert not (tmp_path / "a").exists()

@@ -61,9 +61,7 @@ def parse(script, argv, monkeypatch):
     """The flags `argv` of `script` as its command line reads them, without running it; a bad flag raises
     SystemExit (argparse's exit, status 2)."""
     if script in ("adapt.py", "caption.py"):  # the flags and their limits, as train.start_run reads them
-        stage = adapt if script == "adapt.py" else caption
-        config = adapt.AdaptConfig if script == "adapt.py" else caption.CaptionConfig
-        return train.parse_config(config, stage.SYNTH_DEFAULTS, script[:-3], argv, authors_defaults=stage.AUTHORS_DEFAULTS)
+        return train.parse_config(adapt.AdaptConfig if script == "adapt.py" else caption.CaptionConfig, argv)
     assert (Path(__file__).parent.parent / script).is_file(), f"the README shows {script}, which is not here"
     main = importlib.import_module(script[:-3]).main  # evaluate.py, synth.py, bench.py, ...
     read = cli.ArgumentParser.parse_args

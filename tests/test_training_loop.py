@@ -92,7 +92,7 @@ def test_a_run_killed_while_validating_its_last_step_validates_on_resume(tmp_pat
     with pytest.raises(KeyboardInterrupt):
         fit(cfg, model, ToyPairs(), killed, model.new_parameter_names(), "cosine")
     assert torch.load(tmp_path / "last.pt", weights_only=False)["state"]["step"] == 2
-    state = fit(AdaptConfig(**{**cfg.__dict__, "resume": True}), model, ToyPairs(), lambda: (1.0, {}),
+    state = fit(config(tmp_path, max_steps=4, save_every=2, resume=True), model, ToyPairs(), lambda: (1.0, {}),
                 model.new_parameter_names(), "cosine")
     assert [h["step"] for h in state["history"]] == [4] and (tmp_path / "best.pt").exists()
 
@@ -330,7 +330,7 @@ def test_resuming_an_early_stopped_run_trains_no_further(tmp_path):
     scores = iter([3.0, 1.0, 1.0])
     cfg = config(tmp_path, epochs=5)
     fit(cfg, model, ToyPairs(), lambda: (next(scores), {}), model.new_parameter_names(), "cosine", patience=2)
-    resumed = AdaptConfig(**{**cfg.__dict__, "resume": True})
+    resumed = config(tmp_path, epochs=5, resume=True)
     fail_at(model, 1, AssertionError("trained after an early stop"))
     state = fit(resumed, model, ToyPairs(), lambda: pytest.fail("validated after an early stop"),
                 model.new_parameter_names(), "cosine", patience=2)
