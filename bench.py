@@ -145,7 +145,7 @@ def step_flops(model, batch):
 
 def step_rate(model, batch, device, amp, mode, steps):
     """Steps per second of forward + backward + AdamW update, after warm-up (and compilation)."""
-    autocast, scaler = train.mixed_precision(device, amp)
+    autocast, scaler = cli.mixed_precision(device, amp)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7, fused=True)
     net = torch.compile(model, mode=mode) if mode != "eager" else model
 
@@ -172,7 +172,7 @@ def synchronize(device):
 
 
 def bench_train(args):
-    device = train.setup_device(args)  # TF32 matrix products on, as in the runs
+    device = cli.setup_device(args)  # TF32 matrix products on, as in the runs
     # train.fit's data first: a dataset it cannot read is told before the minutes of timing, not after them
     fit_data = train_pairs_and_store(args) if args.data_root else None
     for negatives in args.hard_negatives:

@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 try:
@@ -141,7 +142,7 @@ def main(run, argv=None):
         sys.exit(status)
 
 
-# ---- Processes under torchrun ---------------------------------------------------------------
+# ---- Processes under torchrun, device and precision ---------------------------------------------------------------
 def distributed():
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -185,6 +186,44 @@ def gather_objects(obj):
     objs = [None] * world()
     dist.all_gather_object(objs, obj)
     return objs
+
+
+def setup_device(cfg):
+    """The device --device names (auto: cuda if there is one); under torchrun also the process
+    group, each process on cuda:LOCAL_RANK."""
+    try:
+        device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError:
+        raise InputError(f"--device {cfg.device}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda") or device.type == "cpu" and device.index:
+        raise InputError(f"--device {cfg.device}: expected auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not (device.index or 0) < torch.cuda.device_count():
+        raise InputError(f"--device {cfg.device}: {torch.cuda.device_count()} CUDA GPUs are visible")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            if (local := int(os.environ["LOCAL_WORLD_SIZE"])) > torch.cuda.device_count():
+                raise InputError(f"torchrun started {local} processes on this machine, one a GPU, but "
+                                 f"{torch.cuda.device_count()} CUDA GPUs are visible: give --nproc_per_node "
+                                 f"{torch.cuda.device_count()} or less, or --device cpu")
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        # A long timeout: the other processes wait while rank 0 builds the image store, validates or tests.
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=2),
+                                device_id=device if device.type == "cuda" else None)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return device
+
+
+def mixed_precision(device, amp):
+    """Autocast context and grad scaler for `amp`: bf16 needs no scaler, fp16 does."""
+    if amp == "auto":  # bf16 where the GPU has it natively (Ampere on), not torch's slow emulation of it
+        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        amp = "off" if device.type != "cuda" else "bf16" if native_bf16 else "fp16"
+    if amp == "off":
+        return contextlib.nullcontext(), None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    return torch.autocast(device.type, dtype=dtype), scaler
 
 
 # ---- Files: made, written whole, never an earlier run's by accident -----------------------------

@@ -40,7 +40,6 @@ import clip_weights
 import data
 import figures
 import synth
-import train
 from cli import InputError
 from data import CHANGE_TYPES, PAPER_TYPE_NAME
 from model import Captioner
@@ -56,7 +55,7 @@ def encode_split(model, pairs, device, store=None, amp="auto", workers=-1):
     """Pooled pair vectors v (Eq. 5) of every pair, caption vectors g of every reference caption,
     both normalised, and for each caption the index of its pair; under the training's autocast."""
     model.eval()
-    autocast, _ = train.mixed_precision(device, amp)
+    autocast, _ = cli.mixed_precision(device, amp)
     loader = data.make_loader(data.EvalDataset(pairs, model.config.clip.image_size, store), EVAL_BATCH, device, workers)
     captions = [(i, c) for i, p in enumerate(pairs) for c in p.captions]
     tokens = tokenize([c for _, c in captions], model.config.context_length)
@@ -154,7 +153,7 @@ def predict(captioner, items, device, store=None, amp="auto", workers=-1, progre
     """Captions for every evaluation item, greedy (beam 1) or by beam search: {item id: caption}; under the
     training's autocast."""
     captioner.eval()
-    autocast, _ = train.mixed_precision(device, amp)
+    autocast, _ = cli.mixed_precision(device, amp)
     size = captioner.encoder.config.clip.image_size
     preds, start = {}, time.time()
     try:
@@ -446,7 +445,7 @@ def caption_pairs(captioner, args, device):
 def caption_one_pair(captioner, args, device):
     size = captioner.encoder.config.clip.image_size
     before, after = (data.read_pixels(p, size)[None].to(device) for p in args.pair)
-    with train.mixed_precision(device, args.amp)[0]:
+    with cli.mixed_precision(device, args.amp)[0]:
         print(ids_to_text(captioner.generate(before, after, beam=args.beam, length_penalty=args.length_penalty))[0])
     if args.attention:
         cli.write_file(args.attention, figures.attention_file(captioner, before, after, args.pair, args.attention))
@@ -512,7 +511,7 @@ def main(argv=None):
         parser.error(f"--pair: {absent[0]} is not a file; expected the two images, before and after")
     if args.predictions:
         return score_predictions(args)
-    device = train.setup_device(args)
+    device = cli.setup_device(args)
     if args.data_root:
         return score_checkpoint(args, device)
     captioner = load_model(args, device)

@@ -1,6 +1,6 @@
-"""The training machinery both stages share: flags from a config dataclass, device, precision and
-processes, parameter groups, the learning-rate schedule, atomic checkpoints, resume, and the loop (the
-order of the data and its loader: data.py). adapt.py (stage 1) and caption.py (stage 2) build on it.
+"""The training machinery every stage shares: the run config and its flags, the run folder, parameter groups,
+the learning-rate schedule, atomic checkpoints, resume, and the loop (the order of the data and its loader:
+data.py; processes, device and precision: cli.py). adapt.py (stage 1) and caption.py (stage 2) build on it.
 
 Several GPUs, on one machine or many, run through torchrun (NCCL on CUDA, gloo on CPU):
 
@@ -22,12 +22,10 @@ import time
 import typing
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
-from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import cli
@@ -151,7 +149,7 @@ def start_run(config_cls, argv=None, doc=None):
     elif not Path(cfg.data_root).is_dir():
         raise data.missing(cfg.data, Path(cfg.data_root), "no such folder (--data_root)")
     check_run_folder(cfg)
-    device = setup_device(cfg)
+    device = cli.setup_device(cfg)
     logging.basicConfig(level=logging.INFO if cli.rank() == 0 else logging.ERROR, format="%(message)s")
     if cli.rank() != 0:
         sys.stdout = open(os.devnull, "w")
@@ -221,44 +219,6 @@ def locked(out):
             yield
         finally:
             (out / ".lock").unlink(missing_ok=True)
-
-
-def setup_device(cfg):
-    """The device --device names (auto: cuda if there is one); under torchrun also the process
-    group, each process on cuda:LOCAL_RANK."""
-    try:
-        device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
-    except RuntimeError:
-        raise InputError(f"--device {cfg.device}: expected auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda") or device.type == "cpu" and device.index:
-        raise InputError(f"--device {cfg.device}: expected auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and not (device.index or 0) < torch.cuda.device_count():
-        raise InputError(f"--device {cfg.device}: {torch.cuda.device_count()} CUDA GPUs are visible")
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            if (local := int(os.environ["LOCAL_WORLD_SIZE"])) > torch.cuda.device_count():
-                raise InputError(f"torchrun started {local} processes on this machine, one a GPU, but "
-                                 f"{torch.cuda.device_count()} CUDA GPUs are visible: give --nproc_per_node "
-                                 f"{torch.cuda.device_count()} or less, or --device cpu")
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-        # A long timeout: the other processes wait while rank 0 builds the image store, validates or tests.
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=2),
-                                device_id=device if device.type == "cuda" else None)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    return device
-
-
-def mixed_precision(device, amp):
-    """Autocast context and grad scaler for `amp`: bf16 needs no scaler, fp16 does."""
-    if amp == "auto":  # bf16 where the GPU has it natively (Ampere on), not torch's slow emulation of it
-        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-        amp = "off" if device.type != "cuda" else "bf16" if native_bf16 else "fp16"
-    if amp == "off":
-        return nullcontext(), None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    return torch.autocast(device.type, dtype=dtype), scaler
 
 
 # ---- Data: splits and image store (their order and loaders: data.py) ----------------------------
@@ -404,7 +364,7 @@ def fit(cfg, model, train_set, validate, new_names, decay, patience=0, after_ste
     `before` (metrics measured before the first step) is kept in the run's state, which fit returns.
     """
     out, device = Path(cfg.out_dir), next(model.parameters()).device
-    autocast, scaler = mixed_precision(device, cfg.amp)
+    autocast, scaler = cli.mixed_precision(device, cfg.amp)
     require_batch(cfg.batch_size, len(train_set))
     steps_per_epoch = len(train_set) // cfg.batch_size
     total = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)

@@ -10,7 +10,8 @@ from adapt import AdaptConfig
 from model import EOT, Captioner, CaptionerConfig
 from test_training_loop import ToyPairs
 from tiny import tiny_pair_encoder
-from train import fit, mixed_precision
+from cli import mixed_precision
+from train import fit
 
 
 def captions(batch, eot_at, length=12):

@@ -133,7 +133,7 @@ from test_training_loop import ToyPairs
 from tiny import tiny_pair_encoder
 
 masks, cfg = [], AdaptConfig(out_dir=sys.argv[1], device="cpu", epochs=1, max_steps=1, batch_size=4, workers=0)
-train.setup_device(cfg)
+cli.setup_device(cfg)
 torch.manual_seed(cfg.seed)  # as train.start_run seeds every process
 model = tiny_pair_encoder()
 loss = model.forward

@@ -101,7 +101,7 @@ def test_a_run_resumed_where_amp_needs_a_grad_scaler_starts_one(tmp_path, monkey
     """--amp auto is off on a CPU and fp16 (with a scaler) on a GPU older than Ampere: --device may change."""
     with pytest.raises(KeyboardInterrupt):
         run(config(tmp_path), tiny_pair_encoder, kill_at=6)  # last.pt at step 4, without a scaler
-    monkeypatch.setattr(train, "mixed_precision", lambda device, amp: (nullcontext(), torch.amp.GradScaler("cpu")))
+    monkeypatch.setattr(cli, "mixed_precision", lambda device, amp: (nullcontext(), torch.amp.GradScaler("cpu")))
     run(config(tmp_path, resume=True), tiny_pair_encoder)
     last = torch.load(tmp_path / "last.pt", weights_only=False)
     assert last["state"]["step"] == 12 and last["scaler"]["scale"] == 2.0 ** 16
