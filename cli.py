@@ -1,7 +1,8 @@
 """What every command line here shares, apart from the method: bad input and other expected failures
 told in one line, Ctrl-C ended in one line with no process left behind, the processes of torchrun and what
-they gather, files written whole or not at all, and the ETA of progress lines. A reader of the method can
-skip this file but for gather_batch, through which the loss sees the global batch.
+they gather, the device and mixed precision, files written whole or not at all, and the ETA of progress
+lines. A reader of the method can skip this file but for gather_batch, through which the loss sees the
+global batch.
 """
 import argparse
 import contextlib
