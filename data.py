@@ -1,10 +1,6 @@
 """Data for CLIP4IDC: readers for the three benchmarks, Birds-to-Words and CLEVR-DC in their published layouts and
 for lists of one's own pairs, CLIP4IDC's preprocessing, and the datasets of both stages, their order and their loaders
-(captions are tokenized by tokenizer.py; with --cache, images are read from image_store.py's file instead).
-
-The synthetic CLEVR-Change of the offline default is written by synth.py in CLEVR-Change's layout,
-and read here like the real one.
-"""
+(captions are tokenized by tokenizer.py; with --cache, images are read from image_store.py's file instead)."""
 import contextlib
 import json
 import logging
@@ -25,6 +21,9 @@ from tokenizer import tokenize
 
 # ---- The datasets in the layouts their authors publish, and lists of one's own pairs -------------
 log = logging.getLogger("data")
+UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)  # truncated, unknown, too large
+CHANGE_TYPES = ("color", "texture", "move", "add", "drop", "distractor")  # Table 2's column order
+PAPER_TYPE_NAME = {"material": "texture"}  # CLEVR-Change calls the texture change "material"
 SOURCES = {  # name, expected layout, where it is published
     "clevr": ("CLEVR-Change", "images/CLEVR_default_%06d.png, sc_images/CLEVR_semantic_%06d.png, "
               "nsc_images/CLEVR_nonsemantic_%06d.png, change_captions.json, no_change_captions.json, "
@@ -60,8 +59,7 @@ def missing(dataset, path, what="not found"):
     return FileNotFoundError(f"{path}: {what}; expected {name}'s layout ({layout}), published at {url}")
 
 
-def not_a_file(path):
-    """Why an image path is no file: nothing is there, or something else is (a folder, a pipe)."""
+def not_a_file(path):  # nothing is there, or something else is (a folder, a pipe)
     return "not a file" if path.exists() else "not found"
 
 
@@ -73,8 +71,7 @@ def read_json(dataset, *candidates, keys=()):
     try:
         content = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as e:
-        where = f"line {e.lineno} column {e.colno} (char {e.pos})"
-        raise InputError(f"{path}: malformed JSON at {where}: {e.msg}") from None
+        raise InputError(f"{path}: malformed JSON at line {e.lineno} column {e.colno} (char {e.pos}): {e.msg}") from None
     except UnicodeDecodeError as e:  # another encoding (UTF-16, Latin-1) or damaged bytes
         raise InputError(f"{path}: byte {e.start} is not UTF-8 ({e.reason}); expected JSON in UTF-8") from None
     except (ValueError, RecursionError) as e:  # an integer of over 4,300 digits; arrays nested thousands deep
@@ -88,10 +85,6 @@ def read_json(dataset, *candidates, keys=()):
     return content, path
 
 
-def strings(value):
-    return isinstance(value, list) and all(isinstance(s, str) for s in value)
-
-
 def file_id(value, path, where):
     """An id as the string that names its files and json keys: a string or an integer (not JSON's true)."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -102,22 +95,15 @@ def file_id(value, path, where):
 def caption_list(value, path, where):
     """`value` if it is a non-empty list of caption strings: a bare string would become one caption a letter.
     A lone surrogate ("\\ud800" is valid JSON) is refused here, not when the tokenizer meets it while scoring."""
-    if not (value and strings(value)):
+    if not (value and isinstance(value, list) and all(isinstance(s, str) for s in value)):
         raise InputError(f"{path}: {where}: expected a non-empty list of caption strings, got {json.dumps(value):.80}")
-    try:
-        "".join(value).encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InputError(f"{path}: {where}: a caption holds the lone surrogate {json.dumps(e.object[e.start])}; "
-                         "expected text that UTF-8 can encode") from None
+    if lone := re.search(r"[\ud800-\udfff]", "".join(value)):
+        raise InputError(f"{path}: {where}: a caption holds the lone surrogate {json.dumps(lone[0])}; "
+                         "expected text that UTF-8 can encode")
     return value
 
 
-CHANGE_TYPES = ("color", "texture", "move", "add", "drop", "distractor")  # Table 2's column order
-PAPER_TYPE_NAME = {"material": "texture"}  # CLEVR-Change calls the texture change "material"
-
-
 def split_ids(dataset, path, split):
-    """The integer ids that a splits file (CLEVR-Change's splits.json, CLEVR-DC's split.json) lists for `split`."""
     splits, path = read_json(dataset, path)
     if split not in splits:
         raise InputError(f"{path}: no split {split!r} (it has {', '.join(splits)})")
@@ -134,7 +120,7 @@ def read_clevr(root, split):
         if PAPER_TYPE_NAME.get(kind, kind) not in CHANGE_TYPES[:5]:
             raise InputError(f"{types_path}: change type {kind!r}; expected CLEVR-Change's color, material, add, "
                              "drop, move")
-        if not strings(names):
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise InputError(f"{types_path}: {kind!r}: expected a list of image names such as \"000001.png\", "
                              f"got {json.dumps(names):.80}")
     type_of = {name: kind for kind, names in types.items() for name in names}
@@ -169,7 +155,7 @@ def read_ier(root, split):
     split = {"val": "valid"}.get(split, split)
     entries, path = read_json("ier", root / f"{split}.json", root / "dataset" / "adobe" / f"{split}.json",
                               keys=("img0", "img1", "sents", "uid"))
-    for n, e in enumerate(entries):  # images are names in images/
+    for n, e in enumerate(entries):
         file_id(e["uid"], path, f"entry {n}: uid")
         if not all(isinstance(e[k], str) for k in ("img0", "img1")):
             raise InputError(f"{path}: entry {n} (uid {e['uid']!r}): img0 {json.dumps(e['img0']):.80}, img1 "
@@ -178,11 +164,9 @@ def read_ier(root, split):
                  caption_list(e["sents"], path, f"entry {n} (uid {e['uid']!r})")) for n, e in enumerate(entries)]
 
 
-# Birds-to-Words as google-research-datasets/birds-to-words publishes it (README.md, "Data Format"): one tsv, a header
-# row, then a row per description (up to five a pair) with the pair's two photo URLs and its split. It holds no
-# images: each is images/<photo id>.jpg, the id the number in its URL (.../photos/647514/medium.jpg?...), where the
-# README's command puts them; a pair's id joins its two photos' ids, as IDC-PCL's code names its pairs
-# (yaolinli/IDC, bird/data/dataset_finetune_bird.py).
+# Birds-to-Words' tsv (its README.md, "Data Format") holds no images: each is images/<photo id>.jpg, where its README's
+# command puts them, the id the number in its URL (.../photos/647514/medium.jpg?...); a pair's id joins its two photos'
+# ids, as IDC-PCL's code names its pairs (yaolinli/IDC, bird/data/dataset_finetune_bird.py).
 BIRDS_COLUMNS = ("img1ImgURL", "img2ImgURL", "split", "description")
 PHOTO_ID = re.compile(r"/photos/(\d+)/")
 
@@ -209,10 +193,9 @@ def read_birds(root, split):
             for (a, b), captions in pairs.items()]
 
 
-# CLEVR-DC as hsgkim/clevr-dc publishes it (README.md, split.json, captions.json, bef.tar.gz, aft.tar.gz): ids that
-# split.json lists, their captions under captions.json's "<id>", bef/<id>.png and aft/<id>.png, as BLIP2IDC's reader
-# opens them (gautierevn/BLIP2IDC, code_release/IDC_datasets.py). No file says which change a pair holds (a sixth of
-# them none): its captions are worded as CLEVR-Change's templates word each type, and CHANGE_WORDS reads it off them.
+# CLEVR-DC's files are read as BLIP2IDC's reader opens them (gautierevn/BLIP2IDC, code_release/IDC_datasets.py). No
+# file says which change a pair holds (a sixth of them none): its captions are worded as CLEVR-Change's templates word
+# each type, and CHANGE_WORDS reads it off them.
 CHANGE_WORDS = {"distractor": ("no change", "nothing", "same", "identical", "no difference"),
                 "move": ("moved", "location", "position"), "add": ("added", "appeared", "new", "newly"),
                 "drop": ("disappeared", "missing", "gone", "removed", "no longer")}
@@ -234,22 +217,23 @@ def read_clevr_dc(root, split):
 def change_type(captions):
     """The change type (CHANGE_TYPES) that most of a pair's captions word, or None if none is worded as CLEVR-Change's."""
     def worded_as(caption):
-        if kind := next((k for k, words in CHANGE_WORDS.items() if re.search(rf"\b({'|'.join(words)})\b", caption)), None):
-            return kind
         value = re.search(rf"\b({BECAME}) (\w+)", caption)
-        return value and ("color" if value[2] in COLORS else "texture" if value[2] in MATERIALS else None)
+        became = value and ("color" if value[2] in COLORS else "texture" if value[2] in MATERIALS else None)
+        return next((k for k, words in CHANGE_WORDS.items() if re.search(rf"\b({'|'.join(words)})\b", caption)), became)
     kinds = Counter(kind for c in captions if (kind := worded_as(c.lower())))
     return kinds.most_common(1)[0][0] if kinds else None
 
 
+def worded(caption):
+    return any(c.isalnum() for c in caption)
+
+
 def read_split(dataset, root, split, images=True):
-    """The pairs of one split; "synth" is our CLEVR-Change look-alike and shares its reader. `images`: check
-    that their image files exist."""
+    """The pairs of one split; "synth", the CLEVR-Change look-alike that synth.py writes, shares its reader."""
     synthetic, dataset = dataset == "synth", "clevr" if dataset == "synth" else dataset
     if dataset not in SOURCES:
         raise InputError(f"unknown dataset {dataset!r}; expected one of {', '.join(SOURCES)}, synth")
-    root = Path(root)
-    if not root.is_dir():
+    if not (root := Path(root)).is_dir():
         raise missing(dataset, root, "no such folder")
     pairs = {"clevr": read_clevr, "spot": read_spot, "ier": read_ier, "birds": read_birds,
              "clevr_dc": read_clevr_dc}[dataset](root, split)
@@ -259,10 +243,18 @@ def read_split(dataset, root, split, images=True):
             p.scene = scenes.get(p.id)
     if repeated := [i for i, n in Counter(p.id for p in pairs).items() if n > 1]:
         raise InputError(f"{root} {split}: ids {repeated[:5]} name more than one pair; each pair needs its own id")
-    # Only training leaves blank captions out: the scored splits stay as published, as the authors score them
-    # (Spot-the-Diff's test holds 7 pairs whose one reference is "": 1,270 pairs, not 1,263)
-    if split == "train":
-        pairs = without_blank_captions(pairs, f"{root} {split}")
+    # Only training leaves out captions without a letter or digit, and the pairs they leave without any: the scored
+    # splits stay as published, as the authors score them (Spot-the-Diff's test has 7 pairs whose one reference is "")
+    blank = [p.id for p in pairs if not all(map(worded, p.captions + p.distractor_captions))]
+    if split == "train" and blank:
+        for p in pairs:
+            p.captions = [c for c in p.captions if worded(c)]
+            p.distractor_captions = [c for c in p.distractor_captions if worded(c)]
+        kept = [p for p in pairs if p.captions and (p.distractor is None or p.distractor_captions)]
+        log.warning("%s %s: %d pairs have empty or punctuation-only captions, left out (first: %s); %d pairs are left "
+                    "without any caption and are left out", root, split, len(blank), ", ".join(map(str, blank[:5])),
+                    len(pairs) - len(kept))
+        pairs = kept
     if not pairs:  # an empty split would hang METEOR's java process or fail deep in the model
         raise InputError(f"{root} {split}: no pairs; each split needs at least one")
     if images and (lacking := [(p.id, q) for p in pairs for q in (p.before, p.after, p.distractor) if q and not q.is_file()]):
@@ -270,26 +262,6 @@ def read_split(dataset, root, split, images=True):
         raise missing(dataset, first, f"{not_a_file(first)}, and {len(ids)} of {len(pairs)} {split} pairs lack image "
                                       f"files (ids {', '.join(ids[:5])}{', ...' * (len(ids) > 5)})")
     return pairs
-
-
-def worded(caption):
-    return any(c.isalnum() for c in caption)
-
-
-def without_blank_captions(pairs, where):
-    """Leave out captions without a letter or digit (empty, punctuation only), and the pairs they leave
-    without any: nothing to learn. Says how many and which."""
-    blank = [p.id for p in pairs if not all(map(worded, p.captions + p.distractor_captions))]
-    if not blank:
-        return pairs
-    for p in pairs:
-        p.captions = [c for c in p.captions if worded(c)]
-        p.distractor_captions = [c for c in p.distractor_captions if worded(c)]
-    kept = [p for p in pairs if p.captions and (p.distractor is None or p.distractor_captions)]
-    log.warning("%s: %d pairs have empty or punctuation-only captions, left out (first: %s); %d pairs are left "
-                "without any caption and are left out", where, len(blank), ", ".join(map(str, blank[:5])),
-                len(pairs) - len(kept))
-    return kept
 
 
 def eval_items(pairs):
@@ -303,8 +275,7 @@ def eval_items(pairs):
 
 
 def read_pair_list(path):
-    """The (before, after) image paths of each non-empty line of a text file (evaluate.py --pairs):
-    two paths separated by a tab (paths with spaces) or by spaces."""
+    """(before, after) image paths, a line each (evaluate.py --pairs), split at a tab if any: paths may hold spaces."""
     pairs = []
     for n, line in enumerate(read_text(path, "two image paths a line").splitlines(), 1):
         if line.strip():
@@ -326,17 +297,13 @@ def read_pair_list(path):
 
 # ---- Preprocessing as CLIP4IDC does it, and the datasets of the two stages ----------------------
 def read_pixels(path, size):
-    """uint8 [3,size,size]: RGB (a gif's first frame), the whole image resized bicubic, no crop.
-    The model normalises them (model.VisionTransformer.embed)."""
+    """uint8 [3,size,size]: RGB (a gif's first frame), the whole image resized bicubic, no crop; the model normalises
+    them (model.VisionTransformer.embed). read_array reads them in Pillow and numpy only: the image store's worker
+    processes are forked, and torch's thread pool does not survive a fork."""
     return torch.from_numpy(read_array(path, size))
 
 
-UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)  # truncated, unknown, too large
-
-
 def read_array(path, size):
-    """read_pixels as a numpy array. Pillow and numpy only: the image store's worker processes are
-    forked, and torch's thread pool does not survive a fork."""
     try:
         with Image.open(path) as image:
             image = to_rgb(image).resize((size, size), Image.BICUBIC)
@@ -357,7 +324,6 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
-
 class Loader(torch.utils.data.DataLoader):
     """A DataLoader whose processes leave Ctrl-C to this one (they start as it is iterated)."""
 
@@ -372,13 +338,10 @@ def sample_rng(seed, epoch, index):
 
 
 class AdaptDataset(torch.utils.data.Dataset):
-    """Stage 1: one sample per (pair, caption); key (epoch, index) -> before, after, caption_ids [L].
-
-    On CLEVR-Change the before image is the distractor with probability 0.5 and the caption stays,
-    so the pair encoder learns to tell a scene change from a change of viewpoint or light. Images
-    are uint8; `store` (an image_store.ImageStore) serves them instead of the files. `negatives(pair, caption,
-    rng)`, if given, adds the sample's hard negatives' ids [N, L] (adapt.HardNegatives).
-    """
+    """Stage 1: one sample per (pair, caption); key (epoch, index) -> before, after, caption_ids [L]. On CLEVR-Change
+    the before image is the distractor with probability 0.5 and the caption stays, so the pair encoder learns to tell a
+    scene change from a change of viewpoint or light. `store` (an image_store.ImageStore) reads images in place of
+    their files; `negatives(pair, caption, rng)` adds the sample's hard negatives' ids [N, L] (adapt.HardNegatives)."""
 
     def __init__(self, pairs, image_size, context_length=32, seed=42, store=None, negatives=None):
         self.samples = [(pair, caption) for pair in pairs for caption in pair.captions]
@@ -390,26 +353,21 @@ class AdaptDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         (pair, caption), rng = self.samples[key[1]], sample_rng(self.seed, *key)
-        swap = pair.distractor is not None and rng.random() < 0.5
-        before = self.load(pair.distractor if swap else pair.before, self.size)
-        sample = before, self.load(pair.after, self.size), self.tokens[key[1]]
+        before = pair.distractor if pair.distractor is not None and rng.random() < 0.5 else pair.before
+        sample = self.load(before, self.size), self.load(pair.after, self.size), self.tokens[key[1]]
         return sample + (self.negatives(pair, caption, rng),) if self.negatives else sample
 
 
 class CaptionDataset(torch.utils.data.Dataset):
-    """Stage 2: one sample per pair; key (epoch, index) -> before [3,H,W], after [k,3,H,W], ids [k,L].
-
-    k = 2 where the pair has a distractor: the change pair and its no-change pair (see `eval_items`),
-    sharing the before image, each with one of its captions, as CLIP4IDC trains; else k = 1.
-    """
+    """Stage 2: one sample per pair; key (epoch, index) -> before [3,H,W], after [k,3,H,W], ids [k,L]. k = 2 where the
+    pair has a distractor: the change pair and its no-change pair (see `eval_items`), sharing the before image, each
+    with one of its captions, as CLIP4IDC trains; else k = 1."""
 
     def __init__(self, pairs, image_size, context_length=32, seed=42, store=None):
-        self.items, self.rows, captions = [eval_items([pair]) for pair in pairs], [], []
-        for items in self.items:  # rows[i][j]: the rows of self.tokens that hold item j of pair i's captions
-            self.rows.append([])
-            for item in items:
-                self.rows[-1].append(range(len(captions), len(captions) + len(item.captions)))
-                captions += item.captions
+        self.items = [eval_items([pair]) for pair in pairs]
+        captions = [c for items in self.items for item in items for c in item.captions]
+        row = iter(range(len(captions)))  # rows[i][j]: the rows of self.tokens that hold item j of pair i's captions
+        self.rows = [[[next(row) for _ in item.captions] for item in items] for items in self.items]
         self.tokens = tokenize(captions, context_length)  # once, not at every epoch
         self.size, self.seed, self.load = image_size, seed, store or read_pixels
 
@@ -468,9 +426,8 @@ MAX_WORKERS = 256  # more than any machine's loading needs; a typo's thousands o
 
 
 def loader_workers(workers, device):
-    """Loader processes: `workers` (--workers) if 0 or more; for -1, this process's share of `cores()` less
-    one, at most 8, and none for CPU training on two cores or fewer: its threads keep both cores busy, and a
-    loader process only takes turns with them (300 steps in 70-73 s, not 79-80: docs/offline-default.md)."""
+    """Loader processes for --workers; for -1, none for CPU training on two cores or fewer, whose threads keep both
+    busy: a loader process only takes turns with them (300 steps in 70-73 s, not 79-80: docs/offline-default.md)."""
     if workers >= 0:
         return workers
     share = cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -478,12 +435,10 @@ def loader_workers(workers, device):
 
 
 def make_loader(dataset, batch_size, device, workers=-1, sampler=None, seed=0):
-    """Workers never touch the global RNG (own generator), so loading cannot change the training's
-    random stream and a resumed run stays bit-exact. workers: see `loader_workers`. A training loader (one with
-    a sampler) keeps its processes from epoch to epoch; an evaluation's end as its one pass does, not later in a
-    __del__, where a Ctrl-C would be ignored."""
+    """Workers never touch the global RNG (own generator), so loading cannot change the training's random stream and a
+    resumed run stays bit-exact. A training loader (one with a sampler) keeps its processes from epoch to epoch; an
+    evaluation's end as its one pass does, not later in a __del__, where a Ctrl-C would be ignored."""
     workers, training = loader_workers(workers, device), sampler is not None
-    return Loader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=training, num_workers=workers,
-        pin_memory=device.type == "cuda", persistent_workers=workers > 0 and training,
-        generator=torch.Generator().manual_seed(seed))
+    return Loader(dataset, batch_size=batch_size, sampler=sampler, drop_last=training, num_workers=workers,
+                  pin_memory=device.type == "cuda", persistent_workers=workers > 0 and training,
+                  generator=torch.Generator().manual_seed(seed))
