@@ -265,14 +265,17 @@ def bench_loader(args):
 def main(argv=None):
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # metavar: without a usage block, an error names the choices, not the word "what"
-    parser.add_argument("what", choices=("clip", "decode", "train", "loader"), metavar="{clip,decode,train,loader}")
+    parser.add_argument("what", choices=("clip", "decode", "train", "loader"), metavar="{clip,decode,train,loader}",
+                        help="the check to run, as described above")
     parser.add_argument("--images", type=int, default=4, help="clip: images per encode_image call")
     parser.add_argument("--texts", type=int, default=8, help="clip: texts per encode_text call")
     parser.add_argument("--repeats", type=int, default=5, help="clip, decode: timed repeats (median)")
     parser.add_argument("--pairs", type=int, default=64, help="decode: batch (64 in evaluation)")
     parser.add_argument("--beams", type=int, nargs="+", help="decode: also time beam search of these widths (1: greedy)")
-    parser.add_argument("--stage", type=int, choices=(1, 2), default=1)
-    parser.add_argument("--preset", choices=("vit-b/32", "small"), default="vit-b/32")
+    parser.add_argument("--stage", type=int, choices=(1, 2), default=1,
+                        help="train, loader: stage 1 (adapt.py's step) or 2 (caption.py's) (default: 1)")
+    parser.add_argument("--preset", choices=("vit-b/32", "small"), default="vit-b/32",
+                        help="train, loader: the paper's ViT-B/32 (default) or the offline default's small model")
     parser.add_argument("--batch", type=int, help="train, loader: batch (default: the stage's, 128 or 16)")
     parser.add_argument("--device", default="auto", help="train: auto, cpu, cuda or cuda:N")
     parser.add_argument("--amp", nargs="+", choices=("off", "bf16", "fp16"), help="train: precisions (default: off bf16)")
@@ -282,9 +285,11 @@ def main(argv=None):
     parser.add_argument("--hard_negatives", type=int, nargs="+", default=[0],
                         help="train, stage 1: time the step with each of these numbers of hard negatives a pair")
     parser.add_argument("--peak_tflops", type=float, help="train: the device's dense bf16 peak, for MFU")
-    parser.add_argument("--data", default="synth", choices=("synth", "clevr", "spot", "ier", "birds", "clevr_dc"))
+    parser.add_argument("--data", default="synth", choices=("synth", "clevr", "spot", "ier", "birds", "clevr_dc"),
+                        help="train with --data_root, loader: the dataset's kind (default: synth)")
     parser.add_argument("--data_root", help="train: also time train.fit on this dataset; loader: the dataset")
-    parser.add_argument("--fit_steps", type=int, default=200)
+    parser.add_argument("--fit_steps", type=int, default=200,
+                        help="train with --data_root: steps of train.fit to time (default: 200)")
     parser.add_argument("--workers", type=int, default=-1, help="train: loader processes of train.fit")
     parser.add_argument("--workers_list", type=int, nargs="+", default=[1, 2, 4, 8], help="loader: worker counts (0: none)")
     parser.add_argument("--seconds", type=float, default=10, help="loader: time per measurement")

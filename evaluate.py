@@ -1,19 +1,15 @@
 """Evaluation for CLIP4IDC: IP-T / T-IP retrieval (stage 1) and captions (stage 2, greedy or by beam search) over
-a split, their metrics with the per-type CIDEr breakdown of CLEVR-Change, and a command line that
-scores a predictions file or a checkpoint, or captions one's own image pairs (any sizes, any
-format Pillow reads).
+a split, their metrics with the per-type CIDEr breakdown of CLEVR-Change, and a command line that scores a
+predictions file or a checkpoint, or captions one's own image pairs (any sizes, any format Pillow reads).
 
     python evaluate.py --predictions out/preds.json --data clevr --data_root data/clevr_change --out m.json
-    python evaluate.py --ckpt out/caption-clevr/best.pt --data clevr --data_root data/clevr_change --split test
-    python evaluate.py --ckpt out/caption-clevr/best.pt --data clevr --data_root data/clevr_change --beam 3
+    python evaluate.py --ckpt out/caption-clevr/best.pt --data clevr --data_root data/clevr_change --split test --beam 3
     python evaluate.py --ckpt out/caption-synth/best.pt --pair before.png after.jpg --attention att.png
     python evaluate.py --ckpt out/caption-synth/best.pt --pairs pairs.txt --out captions.jsonl
 
-A stage-1 checkpoint over a split gives the retrieval table instead. --attention also saves the
-class tokens' attention over both images, as in the paper's Figure 3 (drawn by figures.py).
-
-Captioning follows the IDC protocol of Sec. 3.1: BLEU-1..4, METEOR, ROUGE-L and CIDEr-D computed by
-pycocoevalcap on PTB-tokenized captions, all x100. The PTB tokenizer and METEOR run on Java.
+A stage-1 checkpoint over a split gives the retrieval table instead. --attention also saves the class tokens'
+attention over both images, as in the paper's Figure 3. Captioning follows the IDC protocol of Sec. 3.1: BLEU-1..4,
+METEOR, ROUGE-L and CIDEr-D of pycocoevalcap on PTB-tokenized captions, all x100 (the tokenizer and METEOR run on Java).
 """
 import argparse
 import json
@@ -86,15 +82,14 @@ def rank_summary(ranks, lower_median=False):
 
 
 def retrieval_metrics(sim, text_pair, text_id=None, pair_id=None):
-    """IP-T and T-IP scores from sim [n_pairs, n_texts] (tensor or array); text_pair[j] is the pair
-    that caption j describes, captions of equal text_id[j] read the same, and pairs of equal pair_id[i]
-    show the same two images, so are one to the model: neither competes with the other (default: all differ).
+    """IP-T and T-IP scores from sim [n_pairs, n_texts] (tensor or array); text_pair[j] is the pair that caption j
+    describes, captions of equal text_id[j] read the same, and pairs of equal pair_id[i] show the same two images,
+    so are one to the model: neither competes with the other (default: all differ).
 
-    T-IP ranks every caption's own pair among all pairs; its median rank is the lower middle one, as
-    in the authors' code. IP-T, as the authors' code scores it, ranks each pair's best own caption
-    against the best caption of every other pair: a pair has several correct captions and retrieving
-    any of them is a hit, so is retrieving another pair's caption that reads the same as one of them.
-    """
+    T-IP ranks every caption's own pair among all pairs; its median rank is the lower middle one, as in the authors'
+    code. IP-T, as the authors' code scores it, ranks each pair's best own caption against the best caption of every
+    other pair: a pair has several correct captions and retrieving any of them is a hit, so is retrieving another
+    pair's caption that reads the same as one of them."""
     sim = sim.detach().float().cpu().numpy() if hasattr(sim, "detach") else np.asarray(sim)
     text_pair = np.asarray(text_pair)
     text_id = np.unique(np.arange(len(text_pair)) if text_id is None else text_id, return_inverse=True)[1]  # 0, 1, ...
@@ -114,8 +109,7 @@ def retrieval_metrics(sim, text_pair, text_id=None, pair_id=None):
     uncaptioned = np.flatnonzero(np.bincount(text_pair, minlength=n_pairs) == 0)
     if len(uncaptioned):
         raise ValueError(f"pairs without any caption: {uncaptioned[:5].tolist()}")
-    # Ties count against the model: rank = 1 + number of competitors scoring >= the true match.
-    # Otherwise a constant-score model would rank everything first.
+    # Ties count against the model, else a constant score ranks first: rank = 1 + competitors scoring >= the true match.
     true_score = sim[text_pair, np.arange(n_texts)]
     images = pair_id[text_pair]  # each caption's two images: pairs of the same ones are one
     text_to_pair = 1 + ((sim >= true_score[None, :]) & (pair_id[:, None] != images[None, :])).sum(axis=0)
@@ -150,8 +144,7 @@ def ids_to_text(ids):
 
 @torch.no_grad()
 def predict(captioner, items, device, store=None, amp="auto", workers=-1, progress=False, beam=1, length_penalty=1.0):
-    """Captions for every evaluation item, greedy (beam 1) or by beam search: {item id: caption}; under the
-    training's autocast."""
+    """{item id: caption} of every item, greedy (beam 1) or by beam search, under the training's autocast."""
     captioner.eval()
     autocast, _ = cli.mixed_precision(device, amp)
     size = captioner.encoder.config.clip.image_size
@@ -178,7 +171,8 @@ def require_java():
     bad input is named as such on any machine, and no run trains or predicts for nothing."""
     try:  # a `java` that only says there is none (macOS's, without a JDK) is refused too
         run = subprocess.run(["java", "-version"], capture_output=True, text=True, errors="replace")
-        fault = f"`java -version` fails ({java_said(run.stderr) or f'exit status {run.returncode}'})" if run.returncode else ""
+        said = java_said(run.stderr) or f"exit status {run.returncode}"
+        fault = f"`java -version` fails ({said})" if run.returncode else ""
     except OSError as e:
         fault = "`java` is not on PATH" if isinstance(e, FileNotFoundError) else f"`java` cannot run ({e})"
     if fault:
@@ -231,10 +225,6 @@ def ptb_tokenize(refs, preds):
     return {k: tokens[("ref", k)] for k in refs}, {k: tokens[("pred", k)] for k in refs}
 
 
-def cider(gts, res):
-    return 100.0 * float(Cider().compute_score(gts, res)[0])
-
-
 def meteor(gts, res):
     """pycocoevalcap's METEOR x100. Interrupted (Ctrl-C), its compute_score keeps a lock that the
     scorer's clean-up, which stops Java, would then wait on forever: the lock is let go here."""
@@ -266,17 +256,14 @@ def caption_metrics(refs, preds, only=CAPTION_METRICS):
     if "ROUGE-L" in only:
         metrics["ROUGE-L"] = 100.0 * float(Rouge().compute_score(gts, res)[0])
     if "CIDEr" in only:
-        metrics["CIDEr"] = cider(gts, res)
+        metrics["CIDEr"] = 100.0 * float(Cider().compute_score(gts, res)[0])
     return {m: v for m, v in metrics.items() if m in only}
 
 
 def per_type_cider(refs, preds, types):
-    """CIDEr x100 on each CLEVR-Change change type (Table 2), keyed by the paper's type names.
-
-    types {id: change type} may leave ids out. Each type is scored as a corpus of its own, as
-    CLEVR-Change's evaluation does, so CIDEr's document frequencies come from that type's
-    references only.
-    """
+    """CIDEr x100 on each CLEVR-Change change type (Table 2), keyed by the paper's type names; types {id: change type}
+    may leave ids out. Each type is a corpus of its own, as in CLEVR-Change's evaluation: CIDEr's document
+    frequencies come from that type's references only."""
     check_ids(refs, preds)
     ids_of = {t: [] for t in CHANGE_TYPES}
     for k, t in types.items():
@@ -286,12 +273,12 @@ def per_type_cider(refs, preds, types):
                              f"type be one of {CHANGE_TYPES}")
         ids_of[t].append(k)
     gts, res = ptb_tokenize(refs, preds)
-    return {t: cider({k: gts[k] for k in ids}, {k: res[k] for k in ids}) for t, ids in ids_of.items() if ids}
+    return {t: 100.0 * float(Cider().compute_score({k: gts[k] for k in ids}, {k: res[k] for k in ids})[0])
+            for t, ids in ids_of.items() if ids}
 
 
 def score_items(items, preds):
-    """All caption metrics of preds on data.eval_items(...), plus "per_type" CIDEr where the items
-    carry CLEVR-Change change types."""
+    """caption_metrics of preds on data.eval_items(...), with CIDEr by change type where the items have types."""
     refs = {item.id: list(item.captions) for item in items}
     metrics = caption_metrics(refs, preds)
     if types := {item.id: item.change_type for item in items if item.change_type}:
@@ -302,15 +289,15 @@ def score_items(items, preds):
 
 
 def format_table(metrics):
-    """Caption metrics as in Table 1 (B = BLEU-4, M, C, R) and, if present, Table 2's CIDEr by type and the grades."""
+    """Caption metrics as in Table 1 (B = BLEU-4, M, C, R), and Table 2's CIDEr by type and the grades if present."""
     columns = {"B": "BLEU-4", "M": "METEOR", "C": "CIDEr", "R": "ROUGE-L"}
     lines = ["".join(f"{c:>8}" for c in columns), "".join(f"{metrics[m]:>8.1f}" for m in columns.values())]
     if per_type := metrics.get("per_type"):
         lines += ["", "CIDEr by change type", "".join(f"{h:>8}" for h in ("C", "T", "M", "A", "D", "DI")),
                   "".join(f"{per_type[t]:>8.1f}" if t in per_type else f"{'-':>8}" for t in CHANGE_TYPES)]
     if grades := metrics.get("grades"):
-        said = {"change": "name the change", "shape": "the changed object's shape", "move": "moved objects said to move",
-                "distractor": "distractors said unchanged"}
+        said = {"change": "name the change", "shape": "the changed object's shape",
+                "move": "moved objects said to move", "distractor": "distractors said unchanged"}
         lines += ["", "Graded against the scene graphs (% of captions): " + ", ".join(
             f"{what} {grades[k]:.1f}" for k, what in said.items() if grades[k] is not None)]
     return "\n".join(lines)
@@ -318,7 +305,6 @@ def format_table(metrics):
 
 # ---- Prediction files (COCO results format), a checkpoint over a split, and the command line ----
 def write_predictions(path, preds):
-    """Write {id: caption} as COCO results: [{"image_id": id, "caption": caption}, ...]."""
     cli.write_file(path, json.dumps([{"image_id": k, "caption": c} for k, c in preds.items()], indent=1))
 
 
@@ -330,12 +316,14 @@ def read_predictions(path):
     except (ValueError, RecursionError) as e:  # malformed; or an integer of over 4,300 digits, arrays nested deep
         raise InputError(f"{path}: not a JSON file ({e})") from None
     if not isinstance(results, list):
-        raise InputError(f'{path}: expected a list of {{"image_id", "caption"}} objects, not a {type(results).__name__}')
+        raise InputError(f'{path}: expected a list of {{"image_id", "caption"}} objects, not a '
+                         f'{type(results).__name__}')
     preds = {}
     for n, r in enumerate(results):
         if not (isinstance(r, dict) and type(r.get("image_id")) in (str, int) and isinstance(r.get("caption"), str)):
-            raise InputError(f"{path}: entry {n} is not an object with an image_id and a caption string: {json.dumps(r):.80}")
-        data.caption_list([r["caption"]], path, f"entry {n}")  # a lone surrogate, valid JSON, breaks the scorers
+            raise InputError(f"{path}: entry {n} is not an object with an image_id and a caption string: "
+                             f"{json.dumps(r):.80}")
+        data.caption_list([r["caption"]], path, f"entry {n}")  # a lone surrogate (valid JSON) breaks the scorers
         image_id = str(r["image_id"])  # ids are strings here; IER's uids are numbers in its own files
         if image_id in preds:
             raise InputError(f"{path}: more than one caption for image_id {r['image_id']!r}")
@@ -352,8 +340,7 @@ def blind_baseline(train_pairs, items):
 def score_captions(captioner, items, train_pairs, split, device, store=None, amp="auto", workers=-1, beam=1,
                    length_penalty=1.0):
     """Captions of a split's items (see predict) and their metrics, beside a blind baseline's; printed as in
-    Tables 1 and 2, and recorded with how they were decoded. The end of caption.py, and `evaluate.py --ckpt
-    --data_root`."""
+    Tables 1 and 2, and recorded with how they were decoded."""
     preds = predict(captioner, items, device, store, amp, workers, progress=True, beam=beam,
                     length_penalty=length_penalty)
     results = {split: score_items(items, preds),
@@ -367,7 +354,6 @@ def score_captions(captioner, items, train_pairs, split, device, store=None, amp
 
 
 def save_results(out, results, split=None, preds=None):
-    """metrics.json and, for captions, <split>_predictions.json in the folder `out`."""
     cli.write_file(Path(out) / "metrics.json", json.dumps(results, indent=2))
     if preds is not None:
         write_predictions(Path(out) / f"{split}_predictions.json", preds)
@@ -428,7 +414,7 @@ def score_predictions(args):
 
 
 def caption_pairs(captioner, args, device):
-    """Every pair of --pairs, captioned: one JSON object a line, to --out or the standard output."""
+    """One JSON object a line, to --out or the standard output."""
     pairs = data.read_pair_list(args.pairs)
     items = [data.Pair(str(n), before, after, []) for n, (before, after) in enumerate(pairs)]
     preds = predict(captioner, items, device, amp=args.amp, workers=0, progress=True, beam=args.beam,
@@ -442,59 +428,44 @@ def caption_pairs(captioner, args, device):
         print("\n".join(lines))
 
 
-def caption_one_pair(captioner, args, device):
-    size = captioner.encoder.config.clip.image_size
-    before, after = (data.read_pixels(p, size)[None].to(device) for p in args.pair)
-    with cli.mixed_precision(device, args.amp)[0]:
-        print(ids_to_text(captioner.generate(before, after, beam=args.beam, length_penalty=args.length_penalty))[0])
-    if args.attention:
-        cli.write_file(args.attention, figures.attention_file(captioner, before, after, args.pair, args.attention))
-        print(f"wrote {args.attention}")
-
-
 def main(argv=None):
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--predictions", help='score this COCO results json: [{"image_id", "caption"}, ...]')
     parser.add_argument("--ckpt", help="run this checkpoint: best.pt or last.pt of adapt.py or caption.py, "
                         "or the authors' pytorch_model.bin.*")
-    parser.add_argument("--data", choices=("clevr", "spot", "ier", "birds", "clevr_dc", "synth"),
-                        help="with --data_root (default: clevr)")
+    parser.add_argument("--data", choices=(*data.SOURCES, "synth"), help="with --data_root (default: clevr)")
     parser.add_argument("--data_root", help="dataset folder: score --predictions, or --ckpt over --split")
     parser.add_argument("--split", help="with --data_root: the split to score (default: test)")
     parser.add_argument("--pair", nargs=2, metavar=("BEFORE", "AFTER"), help="with --ckpt: caption these two images")
     parser.add_argument("--attention", metavar="PNG", help="with --pair: also save the attention figure here")
     parser.add_argument("--pairs", metavar="TXT", help="with --ckpt: caption the two image paths of each line")
     parser.add_argument("--out", help="write here the metrics json (--predictions) or the captions (--pairs)")
-    parser.add_argument("--out_dir", help="with --ckpt --data_root: write metrics.json and <split>_predictions.json here")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing --out, --out_dir or --attention files")
+    parser.add_argument("--out_dir", help="with --ckpt --data_root: write metrics.json, <split>_predictions.json here")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing --out, --out_dir, --attention files")
     parser.add_argument("--device", help="with --ckpt: auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), help="with --ckpt: autocast (default: the "
                         "--amp its run recorded, auto for the authors' files; auto is off on a CPU)")
     parser.add_argument("--n_intra", type=int, help="with an authors' --ckpt: layers that see one image (default: 9)")
     parser.add_argument("--heads", type=int, help="with an authors' stage-2 --ckpt: the captioner's heads (default: 8)")
-    parser.add_argument("--beam", type=int, help="with a stage-2 --ckpt: caption by beam search of this width "
-                        "(default: 1, greedy decoding)")
+    parser.add_argument("--beam", type=int, help="with a stage-2 --ckpt: the beam search's width (default: 1, greedy)")
     parser.add_argument("--length_penalty", type=float, help="with --beam above 1: captions score their sum of log "
-                        "probabilities / length ** this, the length being the tokens after SOT, EOT included "
-                        "(default: 1.0)")
+                        "probabilities / length ** this, length: the tokens after SOT, EOT included (default: 1.0)")
     args = parser.parse_args(argv)
 
-    modes = [name for name in ("predictions", "pair", "pairs") if getattr(args, name)]
+    modes = [f"--{name}" for name in ("predictions", "pair", "pairs") if getattr(args, name)]
     if args.ckpt and args.data_root and not (args.pair or args.pairs):
-        modes.append("data_root")
+        modes.append("--ckpt --data_root")
     if len(modes) != 1 or (args.predictions is None) == (args.ckpt is None):
         parser.error("give --predictions with --data_root, or --ckpt with one of --pair, --pairs, --data_root")
     if args.predictions and not args.data_root:
         parser.error("--predictions needs --data_root, the dataset it scores against")
     ckpt = ("device", "amp", "n_intra", "heads", "beam", "length_penalty")
-    uses = {"predictions": ("data", "data_root", "split", "out"),
-            "data_root": ("data", "data_root", "split", "out_dir", *ckpt), "pair": ("attention", *ckpt),
-            "pairs": ("out", *ckpt)}
+    takes = {"--predictions": ("data", "data_root", "split", "out"), "--pair": ("attention", *ckpt),
+             "--pairs": ("out", *ckpt), "--ckpt --data_root": ("data", "data_root", "split", "out_dir", *ckpt)}
     for flag in ("data", "data_root", "split", "out", "out_dir", "attention", *ckpt):
-        if getattr(args, flag) is not None and flag not in uses[modes[0]]:
-            mode = "--ckpt --data_root" if modes[0] == "data_root" else f"--{modes[0]}"
-            takes = ", ".join(f"--{f}" for f in uses[modes[0]])
-            raise InputError(f"--{flag} has no use with {mode}, which takes {takes}")
+        if getattr(args, flag) is not None and flag not in takes[modes[0]]:
+            raise InputError(f"--{flag} has no use with {modes[0]}, which takes "
+                             + ", ".join(f"--{f}" for f in takes[modes[0]]))
     if args.beam is not None and args.beam < 1:
         parser.error(f"--beam {args.beam}: expected a value >= 1")
     if args.length_penalty is not None and not 0 <= args.length_penalty < math.inf:
@@ -505,7 +476,8 @@ def main(argv=None):
     defaults = dict(data="clevr", split="test", device="auto", beam=1, length_penalty=1.0)
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     if args.attention and not figures.pillow_writes(args.attention):
-        parser.error(f"--attention {args.attention}: expected the name of an image file Pillow writes, such as attention.png")
+        parser.error(f"--attention {args.attention}: expected the name of an image file Pillow writes, such as "
+                     "attention.png")
     cli.check_outputs([("--out", args.out), ("--attention", args.attention)], args.overwrite)
     if absent := [p for p in args.pair or () if not Path(p).is_file()]:
         parser.error(f"--pair: {absent[0]} is not a file; expected the two images, before and after")
@@ -518,7 +490,14 @@ def main(argv=None):
     if not isinstance(captioner, Captioner):
         parser.error(f"{args.ckpt} holds a stage-1 pair encoder: captions need a stage-2 checkpoint "
                      "(caption.py's best.pt, or the authors' trained pytorch_model.bin)")
-    (caption_one_pair if args.pair else caption_pairs)(captioner, args, device)
+    if args.pairs:
+        return caption_pairs(captioner, args, device)
+    before, after = (data.read_pixels(p, captioner.encoder.config.clip.image_size)[None].to(device) for p in args.pair)
+    with cli.mixed_precision(device, args.amp)[0]:
+        print(ids_to_text(captioner.generate(before, after, beam=args.beam, length_penalty=args.length_penalty))[0])
+    if args.attention:
+        cli.write_file(args.attention, figures.attention_file(captioner, before, after, args.pair, args.attention))
+        print(f"wrote {args.attention}")
 
 
 if __name__ == "__main__":

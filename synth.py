@@ -172,7 +172,8 @@ def change_captions(kind, before, after, old, new, rng, n=5):
 
 def random_camera(rng):
     """A distractor's viewpoint and light: a shift, a zoom, and 8-20% darker or brighter."""
-    return {"dx": round(rng.uniform(-10, 10), 1), "dy": round(rng.uniform(-6, 6), 1), "zoom": round(rng.uniform(0.94, 1.06), 3),
+    return {"dx": round(rng.uniform(-10, 10), 1), "dy": round(rng.uniform(-6, 6), 1),
+            "zoom": round(rng.uniform(0.94, 1.06), 3),
             "light": round(1 + rng.choice((-1, 1)) * rng.uniform(0.08, 0.2), 3)}
 
 
@@ -210,17 +211,11 @@ def write_synth(out, n_pairs, seed, workers=None):
         raise InputError(f"--pairs {n_pairs}: expected at least {MIN_PAIRS}, for non-empty val and test splits")
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new folder for the synthetic dataset")
-    with new_folders(out.parent):  # those it makes go again if the drawing fails
-        draw_into(out, n_pairs, seed, workers or min(cores(), 1 + n_pairs // 500))
-
-
-def draw_into(out, n_pairs, seed, workers):
-    """write_synth's drawing, into a folder renamed `out` once whole."""
     files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
-    with drawn_whole(out) as tmp:
+    with new_folders(out.parent), drawn_whole(out) as tmp:  # the parents it makes go again if the drawing fails
         for folder in ("images", "sc_images", "nsc_images"):
             (tmp / folder).mkdir(parents=True)
-        with worker_pool(workers) as pool:
+        with worker_pool(workers or min(cores(), 1 + n_pairs // 500)) as pool:
             for name, scene, captions, no_change in pool.imap(functools.partial(draw_pair, seed=seed, folder=tmp),
                                                                range(n_pairs), chunksize=25):
                 files["change_captions"][f"CLEVR_default_{name}"] = captions
@@ -323,9 +318,11 @@ def grade(items, preds):
         hits = list(hits)
         return 100.0 * sum(hits) / len(hits) if hits else None
     return {"change": share(says_change(c, scene) for c, scene in changes),
-            "shape": share(named_shape(c) == next(o for o in changed_object(scene) if o)["shape"] for c, scene in changes),
+            "shape": share(named_shape(c) == next(o for o in changed_object(scene) if o)["shape"]
+                           for c, scene in changes),
             "move": share(says_change(c, scene) for c, scene in changes if scene["change_type"] == "move"),
-            "distractor": share(preds[i.id].lower().strip(" .") in NO_CHANGE for i in items if i.change_type == "distractor")}
+            "distractor": share(preds[i.id].lower().strip(" .") in NO_CHANGE
+                                for i in items if i.change_type == "distractor")}
 
 
 PAIRS = 5600  # the offline default: train 5,200, val 200, test 200 (docs/offline-default.md says why so many)
@@ -357,8 +354,9 @@ def ensure_synth(root, pairs=PAIRS, seed=0):
 def main(argv=None):
     parser = ArgumentParser(description="Write the synthetic CLEVR-Change.")
     parser.add_argument("--out", required=True, help="the folder to create")
-    parser.add_argument("--pairs", type=int, default=PAIRS)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pairs", type=int, default=PAIRS,
+                        help=f"how many pairs to draw, at least {MIN_PAIRS} (default: {PAIRS})")
+    parser.add_argument("--seed", type=int, default=0, help="the seed that fixes every scene and caption (default: 0)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     check_writable(args.out, "--out")
