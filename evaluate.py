@@ -1,15 +1,13 @@
-"""Evaluation for CLIP4IDC: IP-T / T-IP retrieval (stage 1) and captions (stage 2, greedy or by beam search) over
-a split, their metrics with the per-type CIDEr breakdown of CLEVR-Change, and a command line that scores a
-predictions file or a checkpoint, or captions one's own image pairs (any sizes, any format Pillow reads).
+"""Evaluation for CLIP4IDC: IP-T / T-IP retrieval (stage 1) and captions (stage 2) over a split, and their metrics
+as Sec. 3.1 scores them: BLEU-1..4, METEOR, ROUGE-L and CIDEr-D of pycocoevalcap on PTB-tokenized captions, x100
+(the tokenizer and METEOR run on Java), with CLEVR-Change's CIDEr by type. Its command line:
 
     python evaluate.py --predictions out/preds.json --data clevr --data_root data/clevr_change --out m.json
     python evaluate.py --ckpt out/caption-clevr/best.pt --data clevr --data_root data/clevr_change --split test --beam 3
     python evaluate.py --ckpt out/caption-synth/best.pt --pair before.png after.jpg --attention att.png
     python evaluate.py --ckpt out/caption-synth/best.pt --pairs pairs.txt --out captions.jsonl
 
-A stage-1 checkpoint over a split gives the retrieval table instead. --attention also saves the class tokens'
-attention over both images, as in the paper's Figure 3. Captioning follows the IDC protocol of Sec. 3.1: BLEU-1..4,
-METEOR, ROUGE-L and CIDEr-D of pycocoevalcap on PTB-tokenized captions, all x100 (the tokenizer and METEOR run on Java).
+A stage-1 checkpoint gives the retrieval table; --attention draws the class tokens' attention, as Figure 3.
 """
 import argparse
 import json
@@ -44,6 +42,7 @@ from tokenizer import EOT, get_tokenizer, tokenize
 # ---- Retrieval: image pair -> text (IP-T) and text -> image pair (T-IP), Tables 6 and 7 ---------
 RECALL_AT = (1, 5, 10, 20, 50)  # Table 7 and CLEVR-Change / IER in Table 6: 1, 5, 10; Spot-the-Diff: 10, 20, 50
 EVAL_BATCH = 64
+CAPTION_METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr")
 
 
 @torch.no_grad()
@@ -161,9 +160,6 @@ def predict(captioner, items, device, store=None, amp="auto", workers=-1, progre
         if progress and preds:  # the progress line ends before what follows, an error too
             print(file=sys.stderr)
     return preds
-
-
-CAPTION_METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr")
 
 
 def require_java():
