@@ -241,7 +241,7 @@ def prepare_scenes(cfg, size):
         graphs = json.loads(path.read_text())
         if len(graphs) != cfg.scenes + HELD_OUT:
             raise InputError(f"{path}: {len(graphs)} scenes, not the {cfg.scenes} + {HELD_OUT} of --scenes "
-                                 f"{cfg.scenes}: delete {root} to draw them, or give another --data_root")
+                             f"{cfg.scenes}: delete {root} to draw them, or give another --data_root")
         scenes = [(root / f"scene_{i:06d}.png", g) for i, g in enumerate(graphs)]
         store = image_store.ImageStore([data.Pair(str(p), p, p, []) for p, _ in scenes], size, root)
     return scenes[:cfg.scenes], scenes[cfg.scenes:], store
