@@ -8,10 +8,9 @@ this project's checkpoints.
     model = clip_weights.load_checkpoint("out/caption-clevr/best.pt")  # a run of adapt.py or caption.py
     model = clip_weights.load_checkpoint("pytorch_model.bin.clevr")   # the authors' released stage 1 or 2
 
-Our CLIP parameter names are OpenAI's, and so are open_clip's: that key mapping is the identity; transformers'
-names are mapped key by key (`HF_NAMES`). The architecture is read off the tensor shapes, which is why ViT-B/16
-and ViT-L/14 load as well; the heads and the MLPs' activation, where the source records them. The authors' names
-for the pair encoder and the captioner are mapped to ours key by key (`authors_names`).
+Our CLIP parameter names are OpenAI's, and so are open_clip's; transformers' (`HF_NAMES`) and the authors' (pair
+encoder and captioner, `authors_names`) are mapped key by key. The architecture is read off the tensor shapes (so
+ViT-B/16 and ViT-L/14 load as well), the heads and the MLPs' activation off the source where it records them.
 """
 import errno
 import hashlib
@@ -85,7 +84,6 @@ def model_config(model):
 
 
 def model_from_config(config, name="checkpoint"):
-    """An untrained model shaped as `model_config` describes it."""
     try:
         encoder = dict(config["encoder"])
         encoder = CLIP4IDC(CLIP4IDCConfig(clip=CLIPConfig(**encoder.pop("clip")), **encoder))
@@ -95,11 +93,9 @@ def model_from_config(config, name="checkpoint"):
 
 
 def load_checkpoint(path, device="cpu", n_intra=9, heads=8):
-    """The model of a checkpoint, in eval mode: a CLIP4IDC pair encoder (stage 1) or a Captioner
-    (stage 2), from a best.pt or last.pt of ours or a file of the authors' code, told apart by content.
-
-    The authors' files do not record the layer split of the pair encoder or the captioner's number
-    of heads: `n_intra` and `heads` give them (their released models: 9 + 3 layers, 8 heads)."""
+    """The model of a checkpoint, in eval mode: a CLIP4IDC (stage 1) or a Captioner (stage 2), of a best.pt or last.pt
+    of ours or a file of the authors' code. Theirs do not record the pair encoder's layer split or the captioner's
+    heads: `n_intra` and `heads` give them (their released models: 9 + 3 layers, 8 heads)."""
     ckpt = read_checkpoint(path)
     if isinstance(ckpt, dict) and {"model", "model_config"} <= ckpt.keys():
         model = model_from_config(ckpt["model_config"], path)
@@ -113,8 +109,8 @@ def load_checkpoint(path, device="cpu", n_intra=9, heads=8):
 
 
 def read_checkpoint(path, mmap=False):
-    """torch.load of a checkpoint, tensors and plain data only; a file it cannot read is named.
-    mmap: tensors are read only when used."""
+    """torch.load of a checkpoint, tensors and plain data only; a file it cannot read is named. mmap: tensors are read
+    only when used."""
     if Path(path).is_dir():
         raise InputError(f"{path} is a folder: expected a checkpoint file, such as {Path(path) / 'best.pt'}")
     if not Path(path).is_file():
@@ -161,8 +157,7 @@ def first_line(error):
 # ---- the authors' checkpoints (github.com/sushizixin/CLIP4IDC): pytorch_model.bin.clevr, .spot --
 AUTHORS_PAIR = {"e1": "visual.bef_embedding", "e2": "visual.aft_embedding", "pair_pos": "visual.joint_positional_embedding",
                 "ln_inter.weight": "visual.ln_mid.weight", "ln_inter.bias": "visual.ln_mid.bias"}
-# Their captioner's word embeddings, position embeddings and output layer are CLIP's own tensors,
-# saved under a second name each: equal by construction, held once here.
+# Their captioner's word and position embeddings and output layer are CLIP's own tensors, saved under a second name.
 AUTHORS_ALIASES = {"decoder.embeddings.word_embeddings.weight": "clip.token_embedding.weight",
                    "decoder.embeddings.position_embeddings.weight": "clip.positional_embedding",
                    "decoder.classifier.cls.predictions.decoder.weight": "clip.token_embedding.weight"}
@@ -177,18 +172,14 @@ AUTHORS_DECODER_LAYER = {"self_attn": "slf_attn.att", "self_attn.out_proj": "slf
 
 
 def authors_names(model):
-    """Our state-dict key -> the authors' key, for every key of `model` (a CLIP4IDC or a Captioner).
-    A tuple names their query, key and value projections, which are the thirds of our in-projection."""
-    stage2 = isinstance(model, Captioner)
-    names = {}
+    """Our state-dict key -> the authors' key (a tuple: see `renamed`), for every key of `model`."""
+    stage2, names = isinstance(model, Captioner), {}
     for ours in model.state_dict():
         encoder_key = ours.removeprefix("encoder.") if stage2 else ours
-        if stage2 and not ours.startswith("encoder."):
+        if stage2 and encoder_key == ours:
             names[ours] = authors_captioner_name(ours)
-        elif encoder_key in AUTHORS_PAIR:
-            names[ours] = "clip." + AUTHORS_PAIR[encoder_key]
-        else:
-            names[ours] = encoder_key  # CLIP itself: clip.<OpenAI's name> in both
+        else:  # CLIP itself is clip.<OpenAI's name> in both
+            names[ours] = "clip." + AUTHORS_PAIR[encoder_key] if encoder_key in AUTHORS_PAIR else encoder_key
     return names
 
 
@@ -207,9 +198,9 @@ def authors_captioner_name(ours):
 
 
 def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
-    """Our CLIP4IDC (their stage 1, "pretrained") or Captioner (their stage 2, "trained") holding the
-    weights of a state dict saved by the authors' code, fp16 or fp32, with or without DDP's `module.`.
-    Strict: a missing or unknown key, a mis-shaped tensor or a tied alias that differs is an error."""
+    """Our CLIP4IDC (their stage 1, "pretrained") or Captioner (their stage 2, "trained") holding the weights of a state
+    dict saved by the authors' code, fp16 or fp32, with or without DDP's `module.`. Strict: a missing or unknown key, a
+    mis-shaped tensor or a tied alias that differs is an error."""
     sd = {k.removeprefix("module."): v for k, v in sd.items()}
     clip_sd = {k.removeprefix("clip."): v for k, v in sd.items()
                if k.startswith("clip.") and k.removeprefix("clip.") not in AUTHORS_PAIR.values()}
@@ -217,47 +208,48 @@ def from_authors(sd, n_intra=9, heads=8, name="checkpoint"):
     if not 0 <= n_intra <= clip_config.vision_layers:
         raise InputError(f"--n_intra {n_intra}: {name} has {clip_config.vision_layers} vision layers")
     model = CLIP4IDC(CLIP4IDCConfig(clip=clip_config, n_intra=n_intra))
-    if any(k.startswith("decoder.") for k in sd):
+    aliases = AUTHORS_ALIASES if any(k.startswith("decoder.") for k in sd) else {}
+    if aliases:  # their stage 2
         ffn = sd.get("decoder.encoder.layer.0.intermediate.dense.bias")  # when absent, reported below
         if heads < 1 or clip_config.embed_dim % heads:
             raise InputError(f"--heads {heads}: expected a divisor of {name}'s captioner width {clip_config.embed_dim}")
         model = Captioner(model, CaptionerConfig(layers=count_blocks(sd, "decoder.encoder.layer.", name), heads=heads,
                                                  ffn=CaptionerConfig.ffn if ffn is None else len(ffn)))
-    for alias, target in AUTHORS_ALIASES.items():
-        if isinstance(model, Captioner) and alias in sd and target in sd and not torch.equal(sd[alias], sd[target]):
-            raise InputError(f"{name}: {alias} differs from {target}; in the authors' model they are one tensor")
-    names = authors_names(model)
-    used = {k for v in names.values() for k in (v if isinstance(v, tuple) else (v,))}
-    aliases = set(AUTHORS_ALIASES) if isinstance(model, Captioner) else set()
-    missing = sorted((used | aliases) - sd.keys())
-    unknown = sorted(sd.keys() - used - aliases)
-    if missing or unknown:
-        raise InputError(f"{name}: not a CLIP4IDC state dict of the authors' code as expected "
-                         f"({'stage 2' if aliases else 'stage 1'}): missing keys {missing[:5]}, unknown keys {unknown[:5]}")
-    load_weights(model, {ours: torch.cat([sd[k] for k in theirs]) if isinstance(theirs, tuple) else sd[theirs]
-                         for ours, theirs in names.items()}, name)
+        for alias, target in aliases.items():
+            if alias in sd and target in sd and not torch.equal(sd[alias], sd[target]):
+                raise InputError(f"{name}: {alias} differs from {target}; in the authors' model they are one tensor")
+    expected = f"a CLIP4IDC state dict of the authors' code as expected ({'stage 2' if aliases else 'stage 1'})"
+    load_weights(model, renamed(sd, authors_names(model), name, expected, aliases), name)
     return model
+
+
+def renamed(sd, names, name, expected, ignored=()):
+    """`sd` under our names: `names` gives each of ours its key in `sd`, or a tuple of keys whose tensors are joined
+    (their query, key and value projections, the thirds of our in_proj). Strict: each key of `sd` is one of these or
+    of `ignored`, which are left out, and each of them is in `sd`."""
+    used = {k for theirs in names.values() for k in (theirs if isinstance(theirs, tuple) else (theirs,))}
+    missing, unknown = sorted((used | set(ignored)) - sd.keys()), sorted(sd.keys() - used - set(ignored))
+    if missing or unknown:
+        raise InputError(f"{name}: not {expected}: missing keys {missing[:5]}, unknown keys {unknown[:5]}")
+    return {ours: torch.cat([sd[k] for k in theirs]) if isinstance(theirs, tuple) else sd[theirs]
+            for ours, theirs in names.items()}
 
 
 # ---- reading a checkpoint -----------------------------------------------------------------------
 def read_state_dict(path):
     """Key -> tensor of a TorchScript archive, a .safetensors file or a torch state dict (bare, or under "state_dict"
-    as open_clip's training checkpoints keep it; DDP's `module.` dropped), without OpenAI's metadata keys.
-
-    A state dict is read with weights_only=True, so no arbitrary object is unpickled. OpenAI's release is a TorchScript
-    archive instead, which only torch.jit.load reads; it restores TorchScript modules, not Python objects."""
-    if is_torchscript(path):
-        with warnings.catch_warnings():  # torch.jit is deprecated, but OpenAI's files need it
-            warnings.simplefilter("ignore", FutureWarning)
-            try:
-                sd = torch.jit.load(path, map_location="cpu").state_dict()
-            except Exception as e:  # damaged: a bad file, not a bug
-                raise InputError(f"{path}: cannot read it as a TorchScript archive ({first_line(e)})") from None
-    elif Path(path).suffix == ".safetensors":
+    as open_clip's training checkpoints keep it; DDP's `module.` dropped), without OpenAI's metadata keys. A state dict
+    is read with weights_only=True, so no arbitrary object is unpickled; torch.jit.load, which reads OpenAI's release,
+    restores TorchScript modules, not Python objects."""
+    torchscript = is_torchscript(path)
+    if torchscript or Path(path).suffix == ".safetensors":
         try:
-            sd = load_file(path)
-        except Exception as e:  # safetensors' own error class: a bad file, not a bug
-            raise InputError(f"{path}: cannot read it as a .safetensors file ({first_line(e)})") from None
+            with warnings.catch_warnings():  # torch.jit is deprecated, but OpenAI's files need it
+                warnings.simplefilter("ignore", FutureWarning)
+                sd = torch.jit.load(path, map_location="cpu").state_dict() if torchscript else load_file(path)
+        except Exception as e:  # damaged (safetensors raises its own error class): a bad file, not a bug
+            kind = "a TorchScript archive" if torchscript else "a .safetensors file"
+            raise InputError(f"{path}: cannot read it as {kind} ({first_line(e)})") from None
     else:
         sd = read_checkpoint(path)
     if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
@@ -270,22 +262,19 @@ def read_state_dict(path):
 # ---- other libraries' CLIPs: Hugging Face transformers' CLIPModel and open_clip -------------------
 HF_ID = re.compile(r"[\w.-]+/[\w.-]+")  # a Hugging Face model id: openai/clip-vit-base-patch32
 HF_CONFIG, OPEN_CLIP_CONFIG = "config.json", "open_clip_config.json"
-# OpenAI's name -> transformers' CLIPModel name ({p}: weight and bias). A tuple: transformers' query, key and value
-# projections, the thirds of OpenAI's in_proj. Its visual_projection and text_projection are Linear weights, the
-# transposes of OpenAI's visual.proj and text_projection (TRANSPOSED).
-HF_NAMES = {
-    "visual.class_embedding": "vision_model.embeddings.class_embedding",
-    "visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
-    "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
-    "visual.ln_pre.{p}": "vision_model.pre_layrnorm.{p}",  # sic
-    "visual.ln_post.{p}": "vision_model.post_layernorm.{p}",
-    "visual.proj": "visual_projection.weight",
-    "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
-    "positional_embedding": "text_model.embeddings.position_embedding.weight",
-    "ln_final.{p}": "text_model.final_layer_norm.{p}",
-    "text_projection": "text_projection.weight",
-    "logit_scale": "logit_scale",
-}
+# OpenAI's name -> transformers' CLIPModel name ({p}: weight and bias; a tuple: see `renamed`). Its visual_projection
+# and text_projection are Linear weights, the transposes of OpenAI's visual.proj and text_projection (TRANSPOSED).
+HF_NAMES = {"visual.class_embedding": "vision_model.embeddings.class_embedding",
+            "visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+            "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
+            "visual.ln_pre.{p}": "vision_model.pre_layrnorm.{p}",  # sic
+            "visual.ln_post.{p}": "vision_model.post_layernorm.{p}",
+            "visual.proj": "visual_projection.weight",
+            "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+            "positional_embedding": "text_model.embeddings.position_embedding.weight",
+            "ln_final.{p}": "text_model.final_layer_norm.{p}",
+            "text_projection": "text_projection.weight",
+            "logit_scale": "logit_scale"}
 HF_BLOCK = {"attn.in_proj_{p}": ("self_attn.q_proj.{p}", "self_attn.k_proj.{p}", "self_attn.v_proj.{p}"),
             "attn.out_proj.{p}": "self_attn.out_proj.{p}", "ln_1.{p}": "layer_norm1.{p}", "mlp.c_fc.{p}": "mlp.fc1.{p}",
             "mlp.c_proj.{p}": "mlp.fc2.{p}", "ln_2.{p}": "layer_norm2.{p}"}  # each layer of both towers
@@ -314,7 +303,6 @@ def read_source(path):
 
 
 def from_transformers(sd, name="checkpoint"):
-    """A transformers CLIPModel's state dict in OpenAI's names (HF_NAMES); a missing or unknown key is an error."""
     names = dict(HF_NAMES)
     for ours, theirs in HF_TOWERS.items():
         for i in range(count_blocks(sd, theirs, name)):
@@ -322,12 +310,8 @@ def from_transformers(sd, name="checkpoint"):
                       for k, v in HF_BLOCK.items()}
     names = {k.format(p=p): tuple(t.format(p=p) for t in v) if isinstance(v, tuple) else v.format(p=p)
              for k, v in names.items() for p in (("weight", "bias") if "{p}" in k else ("",))}
-    used = {t for v in names.values() for t in (v if isinstance(v, tuple) else (v,))}
-    missing, unknown = sorted(used - sd.keys()), sorted(k for k in sd.keys() - used if not k.endswith("position_ids"))
-    if missing or unknown:  # position_ids: a buffer that older transformers saved
-        raise InputError(f"{name}: not a transformers CLIPModel's state dict: missing keys {missing[:5]}, unknown keys "
-                         f"{unknown[:5]}")
-    sd = {k: torch.cat([sd[t] for t in v]) if isinstance(v, tuple) else sd[v] for k, v in names.items()}
+    position_ids = [k for k in sd if k.endswith("position_ids")]  # a buffer that older transformers saved
+    sd = renamed(sd, names, name, "a transformers CLIPModel's state dict", ignored=position_ids)
     return sd | {k: sd[k].t() for k in TRANSPOSED}
 
 
@@ -403,8 +387,7 @@ def config_from_state_dict(sd, name="checkpoint", prefix=""):
                          "checkpoints are supported")
     required = ["visual.conv1.weight", "visual.positional_embedding", "visual.proj", "positional_embedding",
                 "token_embedding.weight", "ln_final.weight", "text_projection"]
-    missing = [prefix + k for k in required if k not in sd]
-    if missing:
+    if missing := [prefix + k for k in required if k not in sd]:
         raise InputError(f"{name}: not a CLIP ViT checkpoint: missing keys {missing}")
     vision_width, _, patch_size, _ = sd["visual.conv1.weight"].shape
     grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
@@ -415,19 +398,12 @@ def config_from_state_dict(sd, name="checkpoint", prefix=""):
     if (vocab_size := sd["token_embedding.weight"].shape[0]) != CLIPConfig.vocab_size:
         raise InputError(f"{name}: a vocabulary of {vocab_size} tokens; expected CLIP's {CLIPConfig.vocab_size}, the ids "
                          "its BPE tokenizer writes")
-    return CLIPConfig(
-        embed_dim=sd["text_projection"].shape[1],
-        image_size=patch_size * grid,
-        patch_size=patch_size,
-        vision_width=vision_width,
-        vision_layers=count_blocks(sd, "visual.transformer.resblocks.", name, prefix),
-        vision_heads=vision_width // 64,  # OpenAI's ViTs all use 64-dim heads
-        context_length=sd["positional_embedding"].shape[0],
-        vocab_size=vocab_size,
-        text_width=text_width,
-        text_layers=count_blocks(sd, "transformer.resblocks.", name, prefix),
-        text_heads=text_width // 64,
-    )
+    return CLIPConfig(embed_dim=sd["text_projection"].shape[1], image_size=patch_size * grid, patch_size=patch_size,
+                      vision_width=vision_width, vision_heads=vision_width // 64,
+                      vision_layers=count_blocks(sd, "visual.transformer.resblocks.", name, prefix),
+                      context_length=sd["positional_embedding"].shape[0], vocab_size=vocab_size,
+                      text_width=text_width, text_heads=text_width // 64,
+                      text_layers=count_blocks(sd, "transformer.resblocks.", name, prefix))
 
 
 def count_blocks(sd, prefix, name="checkpoint", file_prefix=""):
@@ -452,8 +428,7 @@ def load_weights(model, sd, name="checkpoint"):
     if odd := sorted(k for k in ours.keys() & sd.keys() if not holds_values(sd[k], ours[k])):
         raise InputError(f"{name}: expected a dense real tensor with values for every weight, not a sparse, complex or "
                          f"meta tensor or something else: {few(odd)}")
-    missing = sorted(ours.keys() - sd.keys())
-    unexpected = sorted(sd.keys() - ours.keys())
+    missing, unexpected = sorted(ours.keys() - sd.keys()), sorted(sd.keys() - ours.keys())
     misshaped = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(ours[k].shape)}"
                  for k in ours.keys() & sd.keys() if sd[k].shape != ours[k].shape]
     if missing or unexpected or misshaped:
@@ -468,14 +443,11 @@ def load_weights(model, sd, name="checkpoint"):
 
 # ---- downloading a release ----------------------------------------------------------------------
 def download(url, root=CACHE_DIR):
-    """Fetch `url` into `root` once and return its path; the file must match the SHA-256 in the URL.
-
-    The bytes go to a temporary file that is renamed only after its hash matches, so the cache
-    never holds a partial or corrupt checkpoint.
-    """
+    """Fetch `url` into `root` once and return its path. The bytes go to a temporary file, renamed only when it has the
+    SHA-256 in the URL: the cache never holds a partial or corrupt checkpoint."""
     root = Path(root).expanduser()
-    target = root / url.rsplit("/", 1)[1]
-    expected = url.rsplit("/", 2)[1]
+    expected, file = url.rsplit("/", 2)[1:]
+    target = root / file
     if target.is_file() and sha256(target) == expected:
         return target
     with new_folders(root):  # the folders it makes go again if nothing comes into them
@@ -488,8 +460,7 @@ def download(url, root=CACHE_DIR):
                                       "nothing was cached, try again")
             os.replace(tmp, target)
         finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            Path(tmp).unlink(missing_ok=True)
     return target
 
 

@@ -1,11 +1,9 @@
 """The models of CLIP4IDC, in plain PyTorch.
 
-1. CLIP: OpenAI's ViT image encoder and causal text encoder, parameter for parameter (so OpenAI's
-   weights load by name, see clip_weights.py).
-2. CLIP4IDC: the pair encoder of section 2.2 (intra layers per image, inter layers per pair) and
-   the IP-T / T-IP contrastive loss of section 2.3, trained by adapt.py.
-3. Captioner: the Transformer encoder-decoder of section 2.4 on top of the pair encoder, trained
-   by caption.py.
+1. CLIP: OpenAI's ViT image encoder and causal text encoder, parameter for parameter (so OpenAI's weights load by name).
+2. CLIP4IDC: the pair encoder of section 2.2 (intra layers per image, inter layers per pair) and the IP-T / T-IP
+   contrastive loss of section 2.3, trained by adapt.py.
+3. Captioner: the Transformer encoder-decoder of section 2.4 on top of the pair encoder, trained by caption.py.
 """
 import math
 from collections import OrderedDict
@@ -35,21 +33,18 @@ class CLIPConfig:  # defaults: ViT-B/32
     text_width: int = 512
     text_layers: int = 12
     text_heads: int = 8
-    activation: str = "quick_gelu"  # the MLPs' (ACTIVATIONS): OpenAI's CLIPs were trained with QuickGELU, LAION's with GELU
+    activation: str = "quick_gelu"  # the MLPs' (ACTIVATIONS): OpenAI trained its CLIPs with QuickGELU, LAION with GELU
 
 
-# The offline default's CLIP, small enough to train on a laptop CPU in minutes (128 px, patch 16), with OpenAI's heads of 64.
+# The offline default's CLIP: small enough to train on a laptop CPU in minutes, with OpenAI's heads of 64.
 SMALL_CLIP = CLIPConfig(embed_dim=64, image_size=128, patch_size=16, vision_width=64, vision_layers=4,
                         vision_heads=1, context_length=32, text_width=64, text_layers=2, text_heads=1)
 
 
 # ---- CLIP ---------------------------------------------------------------------------------------
 class Attention(nn.Module):
-    """Multi-head attention with OpenAI's parameter names (in_proj_*, out_proj) on top of SDPA.
-
-    Self-attention when `memory` is None, else cross-attention to `memory`. `cache` (a dict) keeps
-    the keys/values of earlier decoding steps, so decoding feeds one new token per step.
-    """
+    """Multi-head attention on SDPA under OpenAI's parameter names (in_proj_*, out_proj). `cache` keeps the keys and
+    values of earlier decoding steps, so that decoding feeds one new token per step."""
 
     def __init__(self, width, heads, dropout=0.0):
         super().__init__()
@@ -63,15 +58,14 @@ class Attention(nn.Module):
 
     def forward(self, x, memory=None, causal=False, cache=None):
         cache = {} if cache is None else cache
+        w, b, width = self.in_proj_weight, self.in_proj_bias, x.shape[-1]
         if memory is None:  # self-attention: new keys/values extend those of earlier steps
-            q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+            q, k, v = F.linear(x, w, b).chunk(3, dim=-1)
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
-        else:  # cross-attention: the memory's keys/values are computed once
-            w_q, w_kv = self.in_proj_weight.split([x.shape[-1], 2 * x.shape[-1]])
-            b_q, b_kv = self.in_proj_bias.split([x.shape[-1], 2 * x.shape[-1]])
-            q = F.linear(x, w_q, b_q)
-            k, v = (cache["k"], cache["v"]) if "k" in cache else F.linear(memory, w_kv, b_kv).chunk(2, dim=-1)
+        else:  # cross-attention to `memory`, whose keys/values are computed once
+            q = F.linear(x, w[:width], b[:width])
+            k, v = (cache["k"], cache["v"]) if "k" in cache else F.linear(memory, w[width:], b[width:]).chunk(2, dim=-1)
         cache["k"], cache["v"] = k, v
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
         if self.keep_map:  # unmasked weights: only the vision tower's are ever drawn
@@ -116,8 +110,7 @@ class Transformer(nn.Module):
 class VisionTransformer(nn.Module):
     def __init__(self, c: CLIPConfig):
         super().__init__()
-        scale = c.vision_width ** -0.5
-        n_patches = (c.image_size // c.patch_size) ** 2
+        scale, n_patches = c.vision_width ** -0.5, (c.image_size // c.patch_size) ** 2
         self.conv1 = nn.Conv2d(3, c.vision_width, c.patch_size, stride=c.patch_size, bias=False)
         self.class_embedding = nn.Parameter(scale * torch.randn(c.vision_width))
         self.positional_embedding = nn.Parameter(scale * torch.randn(n_patches + 1, c.vision_width))
@@ -125,20 +118,16 @@ class VisionTransformer(nn.Module):
         self.transformer = Transformer(c.vision_width, c.vision_layers, c.vision_heads, activation=c.activation)
         self.ln_post = nn.LayerNorm(c.vision_width)
         self.proj = nn.Parameter(scale * torch.randn(c.vision_width, c.embed_dim))
-
         # Not in the state dict: OpenAI's files load unchanged.
         self.register_buffer("mean", torch.tensor(MEAN).view(3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(STD).view(3, 1, 1), persistent=False)
 
     def embed(self, images):
-        """Patchify, prepend the class token, add positions (Eq. 2-3): [B, n+1, width].
-
-        `images` are normalised floats, or uint8 pixels that are normalised here: batches then
-        travel to the GPU at a quarter of the bytes, and the GPU does the arithmetic."""
+        """Patchify, prepend the class token, add positions (Eq. 2-3): [B, n+1, width]. `images` are normalised floats,
+        or uint8 pixels normalised here: batches then travel to the GPU at a quarter of the bytes."""
         if images.dtype == torch.uint8:
             images = (images.to(self.conv1.weight.dtype) / 255 - self.mean) / self.std
-        # conv1 has stride = kernel = patch: one matrix product over the cut-out patches, which GPUs
-        # run many times faster than a convolution library does this unusual convolution.
+        # conv1 as one matrix product over the cut-out patches: GPUs run it many times faster than this convolution
         p = self.conv1.kernel_size[0]
         patches = images.unflatten(2, (-1, p)).unflatten(4, (-1, p)).permute(0, 2, 4, 1, 3, 5)  # [B, g, g, 3, p, p]
         x = F.linear(patches.flatten(3).flatten(1, 2), self.conv1.weight.flatten(1))
@@ -151,17 +140,13 @@ class VisionTransformer(nn.Module):
 
 
 def skip_padding(x):
-    """Whether to leave out the padding after EOT, at the cost of shapes read off the data. Eager code
-    on the CPU saves time so, and the host sync costs nothing; a GPU would stall at the sync, and
-    compiled code would stop its graph and recompile for each new shape."""
+    """Whether to leave out the padding after EOT, at the cost of shapes read off the data. Eager code on the CPU saves
+    time so, and the host sync costs nothing; a GPU would stall at the sync, and compiled code would recompile."""
     return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def trim_padding(tokens):
-    """Drop the columns after the last EOT of the batch: they hold padding only (see skip_padding)."""
-    if not skip_padding(tokens):
-        return tokens
-    return tokens[:, :int((tokens == EOT).int().argmax(dim=1).max()) + 1]
+    return tokens[:, :int((tokens == EOT).int().argmax(dim=1).max()) + 1] if skip_padding(tokens) else tokens
 
 
 class CLIP(nn.Module):
@@ -242,48 +227,28 @@ class CLIP4IDC(nn.Module):
         return {name for name, _ in self.named_parameters() if not name.startswith("clip.")}
 
     def encode_pair(self, before, after):
-        """F'(X1, X2): Eq. 4, then the projection W, on all 2(n+1) tokens: [B, 2(n+1), embed_dim].
-
-        `after` may hold k images for each before image, [B, k, 3, H, W] (stage 2's change and
-        distractor pairs share their before image): the before image then passes the intra layers
-        once, and the result has B * k rows."""
-        k = after.shape[1] if after.ndim == 5 else 1
-        x = self.intra(torch.cat([before, after.flatten(0, -4)]))  # all images in one batch
-        return self.inter(x[:len(before)].repeat_interleave(k, dim=0), x[len(before):])
-
-    def intra(self, images):
-        """Eq. 2-3 and the first N_intra layers, each image on its own."""
-        x = self.clip.visual.embed(images)
-        for block in self.clip.visual.transformer.resblocks[:self.config.n_intra]:
+        """F'(X1, X2): Eq. 4, then the projection W, on all 2(n+1) tokens: [B, 2(n+1), embed_dim]. `after` may hold k
+        images for each before image, [B, k, 3, H, W] (stage 2's change and distractor pairs share their before
+        image): the before image then passes the intra layers once, and the result has B * k rows."""
+        visual, n_intra = self.clip.visual, self.config.n_intra
+        x = visual.embed(torch.cat([before, after.flatten(0, -4)]))  # Eq. 2-3, all images in one batch
+        for block in visual.transformer.resblocks[:n_intra]:  # the intra layers: each image on its own
             x = block(x)
-        return x
-
-    def inter(self, x1, x2):
-        """Eq. 4: mark the images with e1 / e2, join them, add the pair position embedding p, then the
-        N_inter layers see both images; projection W on every token."""
-        visual = self.clip.visual
+        x1, x2 = x[:len(before)].repeat_interleave(after.shape[1] if after.ndim == 5 else 1, dim=0), x[len(before):]
+        # Eq. 4: e1 / e2 mark the images, p is the pair position embedding; the inter layers see both images
         x = self.ln_inter(torch.cat([x1 + self.e1, x2 + self.e2], dim=1) + self.pair_pos)
-        for block in visual.transformer.resblocks[self.config.n_intra:]:
+        for block in visual.transformer.resblocks[n_intra:]:
             x = block(x)
         return visual.ln_post(x) @ visual.proj
 
     @staticmethod
     def pool(tokens):
-        """Eq. 5: v is the mean of the two class tokens' outputs (the paper's positions 1 and n+2, 0-based
-        0 and n+1)."""
+        """Eq. 5: v, the mean of the two class tokens' outputs (the paper's positions 1 and n+2, 0-based 0 and n+1)."""
         return (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2
 
     def encode_text(self, tokens):
         """g in Eq. 1: CLIP's text encoder, read at the EOT token."""
         return self.clip.encode_text(tokens)
-
-    def encode_text_by_length(self, tokens, groups=4):
-        """encode_text in `groups` of captions of like length, each cut after its own longest (see skip_padding):
-        hard negatives make the captions many, and the padding to the longest most of their cost."""
-        if not skip_padding(tokens):
-            return self.encode_text(tokens)
-        order = (tokens == EOT).int().argmax(dim=1).argsort()
-        return torch.cat([self.encode_text(tokens[rows]) for rows in order.chunk(groups)])[order.argsort()]
 
     def forward(self, before, after, tokens, negatives=None):
         """The adaptation loss L of Eq. 8 for a batch of B aligned (pair, caption) samples; `negatives` [B, N, L]:
@@ -291,17 +256,22 @@ class CLIP4IDC(nn.Module):
         v = self.pool(self.encode_pair(before, after))
         if negatives is None:
             g, h = self.encode_text(tokens), None
-        else:
-            texts = self.encode_text_by_length(torch.cat([tokens, negatives.flatten(0, 1)]))
+        else:  # hard negatives make the captions many, and the padding to the longest most of their cost
+            texts = torch.cat([tokens, negatives.flatten(0, 1)])
+            if skip_padding(texts):  # so: 4 groups of captions of like length, each cut after its own longest
+                order = (texts == EOT).int().argmax(dim=1).argsort()
+                texts = torch.cat([self.encode_text(texts[rows]) for rows in order.chunk(4)])[order.argsort()]
+            else:
+                texts = self.encode_text(texts)
             g, h = texts[:len(tokens)], texts[len(tokens):].unflatten(0, negatives.shape[:2])
         loss = contrastive_loss(v, g, self.clip.logit_scale, h)
         return loss / 2 if self.config.average_directions else loss
 
 
 def contrastive_loss(v, g, logit_scale, h=None):
-    """Eq. 6-8: cross-entropy over the B x B cosine similarities s(v, g) / tau, both directions,
-    B the global batch (all processes' pairs and captions). h [B, N, D]: each pair's N hard-negative
-    captions, N more columns of its own in IP-T (IDC-PCL's FDA, beyond the paper); T-IP stays B x B."""
+    """Eq. 6-8: cross-entropy over the B x B cosine similarities s(v, g) / tau, both directions, B the global batch
+    (all processes' pairs and captions). h [B, N, D]: each pair's N hard-negative captions, N more columns of its own
+    in IP-T (IDC-PCL's FDA, beyond the paper); T-IP stays B x B."""
     v, g = gather_batch(v), gather_batch(g)
     with torch.autocast(v.device.type, enabled=False):  # logits near 1/tau = 100 need fp32, not bf16
         v = logit_scale.exp() * F.normalize(v.float(), dim=-1)
@@ -370,10 +340,9 @@ class DecoderLayer(nn.Module):
 
 
 class WordCrossEntropy(torch.autograd.Function):
-    """F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum") in fp32, whose backward
-    turns the saved log-probabilities into the gradient in place instead of writing two more buffers
-    of [tokens, 49,408 words]: on a CPU a fresh buffer that size (about 80 MB) costs as much in page
-    faults as the arithmetic on it."""
+    """F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum") in fp32, whose backward turns the saved
+    log-probabilities into the gradient in place instead of writing two more buffers of [tokens, 49,408 words]: on a
+    CPU a fresh buffer that size (about 80 MB) costs as much in page faults as the arithmetic on it."""
 
     @staticmethod
     def forward(ctx, logits, targets):
@@ -413,9 +382,8 @@ class Captioner(nn.Module):
         self.head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width, c.ln_eps))
         self.head_bias = nn.Parameter(torch.zeros(clip_config.vocab_size))
         self.write_only(c.vocab)
-        for layer in [*self.enc_layers, *self.dec_layers]:
-            for attn in (m for m in layer.modules() if isinstance(m, Attention)):
-                nn.init.xavier_uniform_(attn.in_proj_weight)
+        for attn in (m for m in [*self.enc_layers.modules(), *self.dec_layers.modules()] if isinstance(m, Attention)):
+            nn.init.xavier_uniform_(attn.in_proj_weight)
 
     def write_only(self, words):
         """Score and write only the token ids `words`, EOT among them (all of CLIP's for ())."""
@@ -428,13 +396,12 @@ class Captioner(nn.Module):
         self.register_buffer("words", self.head_bias.new_tensor(self.config.vocab, dtype=torch.long), persistent=False)
 
     def new_parameter_names(self):
-        """The captioning model, learned at the higher rate (Appendix B). CLIP's word and position
-        embeddings count as its own: here they are the captioner's input and output layer."""
+        """The captioning model, learned at the higher rate (Appendix B). CLIP's word and position embeddings count as
+        its own: here they are the captioner's input and output layer."""
         word = {"encoder.clip.token_embedding.weight", "encoder.clip.positional_embedding"}
         return {name for name, _ in self.named_parameters() if not name.startswith("encoder.") or name in word}
 
     def visual_memory(self, before, after):
-        """The captioning encoder's per-layer outputs on the pair's tokens F'(X1, X2)."""
         return self.encode_visual(self.encoder.encode_pair(before, after))
 
     def encode_visual(self, x):
@@ -445,7 +412,6 @@ class Captioner(nn.Module):
         return memories
 
     def decode(self, ids, memories, caches=None, start=0):
-        """Decoder states for `ids` sitting at text positions start, start+1, ..."""
         clip = self.encoder.clip
         y = clip.token_embedding(ids) + clip.positional_embedding[start:start + ids.shape[1]]
         y = self.drop(self.ln_embed(y))
@@ -454,9 +420,8 @@ class Captioner(nn.Module):
         return y
 
     def logits(self, y):
-        """Scores of every token id, or of config.vocab's in increasing order; weights tied to the input's."""
-        weight, bias = self.encoder.clip.token_embedding.weight, self.head_bias
-        if self.config.vocab:
+        weight, bias = self.encoder.clip.token_embedding.weight, self.head_bias  # tied to the input's
+        if self.config.vocab:  # only config.vocab's columns, in increasing order
             weight, bias = weight[self.words], bias[self.words]
         return F.linear(self.head(y), weight, bias)
 
@@ -468,11 +433,8 @@ class Captioner(nn.Module):
         return column.masked_fill(self.words[column] != targets, IGNORE)
 
     def forward(self, before, after, ids):
-        """The word-level cross-entropy of captions `ids` (SOT ... EOT, zero padded), by teacher
-        forcing: the state at position t predicts ids[:, t + 1]. Padding after EOT does not count.
-
-        before [B, 3, H, W]; after [B, 3, H, W] with ids [B, L], or after [B, k, 3, H, W] with ids
-        [B, k, L]: k pairs share a before image (see `CLIP4IDC.encode_pair`)."""
+        """The word-level cross-entropy of captions `ids` (SOT ... EOT, zero padding that does not count), by teacher
+        forcing: the state at position t predicts ids[:, t + 1]. ids [B, L], or [B, k, L] for k after images each."""
         ids = trim_padding(ids.flatten(0, -2))
         y = self.decode(ids[:, :-1], self.visual_memory(before, after))
         targets = self.columns(next_tokens(ids))
@@ -484,11 +446,8 @@ class Captioner(nn.Module):
 
     @torch.no_grad()
     def generate(self, before, after, max_len=None, use_cache=True, beam=1, length_penalty=1.0, return_scores=False):
-        """Captions: [B, <= max_len] ids starting with SOT (so at most max_len - 1 steps), each row zero-padded
-        after its EOT. beam 1: greedy decoding; wider: beam search (`beam_search`), which picks each pair's caption
-        of the best score, sum of log-probabilities / length ** length_penalty, the length being the tokens
-        written after SOT, EOT included. return_scores: also the captions' scores [B] (greedy's by teacher
-        forcing). use_cache=False recomputes each greedy step from SOT (beam search always caches)."""
+        """Captions [B, <= max_len]: ids from SOT, each row zero-padded after its EOT, by greedy decoding (beam 1) or
+        beam search; return_scores: also their scores [B] as beam search scores them (greedy's by teacher forcing)."""
         if beam < 1 or not length_penalty >= 0 or not (use_cache or beam == 1):
             raise ValueError(f"beam {beam}, length_penalty {length_penalty}, use_cache {use_cache}: expected a beam of "
                              "at least 1, a length_penalty of at least 0, and the cache for a beam above 1")
@@ -497,11 +456,16 @@ class Captioner(nn.Module):
             ids, scores = self.beam_search(memories, beam, max_len, length_penalty)
             return (ids, scores) if return_scores else ids
         ids = self.greedy(memories, max_len, use_cache)
-        return (ids, self.score(memories, ids, length_penalty)) if return_scores else ids
+        if not return_scores:
+            return ids
+        targets = self.columns(next_tokens(ids))
+        logp = self.logits(self.decode(ids[:, :-1], memories)).float().log_softmax(-1)
+        real = targets != IGNORE
+        logp = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0].where(real, 0)
+        return ids, logp.sum(1) / real.sum(1) ** length_penalty
 
     @torch.no_grad()
     def greedy(self, memories, max_len=None, use_cache=True):
-        """Greedy decoding (`generate`'s beam 1), given the captioning encoder's outputs."""
         max_len, batch, device = max_len or self.config.max_len, memories[0].shape[0], memories[0].device
         ids = torch.full((batch, 1), SOT, dtype=torch.long, device=device)
         caches = [{"self": {}, "cross": {}} for _ in self.dec_layers] if use_cache else None
@@ -518,11 +482,10 @@ class Captioner(nn.Module):
 
     @torch.no_grad()
     def beam_search(self, memories, beam, max_len=None, length_penalty=1.0):
-        """Beam search, given the captioning encoder's outputs: each pair keeps its `beam` likeliest unfinished
-        captions (by their sum of log-probabilities) and the finished one (at EOT) of the best score, sum / length **
-        length_penalty, the length being the tokens written after SOT, EOT included (the length normalisation of
-        Wu et al. 2016, as length ** alpha for their ((5 + length) / 6) ** alpha). If none ends within max_len - 1
-        steps, the unfinished one of the best score. Returns ids as `greedy` does, and the scores [B]."""
+        """Each pair keeps its `beam` likeliest unfinished captions (by their sum of log-probabilities) and the finished
+        one (at EOT) of the best score, sum / length ** length_penalty, the length being the tokens written after SOT,
+        EOT included (the length normalisation of Wu et al. 2016, as length ** alpha for their ((5 + length) / 6) **
+        alpha). If none ends within max_len - 1 steps, the unfinished one of the best score. Returns (ids, scores)."""
         max_len, batch, device = max_len or self.config.max_len, memories[0].shape[0], memories[0].device
         eot = int(torch.searchsorted(self.words, EOT)) if self.config.vocab else EOT  # its column of the logits
         pairs = torch.arange(batch, device=device)[:, None]
@@ -555,12 +518,3 @@ class Captioner(nn.Module):
             best_ids = torch.where(unfinished[:, None], ids.view(batch, -1, max_len)[:, 0], best_ids)
             return best_ids, torch.where(unfinished, alive[:, 0] / (max_len - 1) ** length_penalty, best)
         return best_ids[:, :int((best_ids == EOT).int().argmax(1).max()) + 1], best
-
-    @torch.no_grad()
-    def score(self, memories, ids, length_penalty=1.0):
-        """Beam search's score of captions ids (SOT ... EOT, zero padded), by teacher forcing."""
-        targets = self.columns(next_tokens(ids))
-        logp = self.logits(self.decode(ids[:, :-1], memories)).float().log_softmax(-1)
-        real = targets != IGNORE
-        logp = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0].where(real, 0)
-        return logp.sum(1) / real.sum(1) ** length_penalty
