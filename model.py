@@ -16,10 +16,6 @@ import torch.nn.functional as F
 from cli import gather_batch, global_mean
 from tokenizer import EOT, SOT
 
-MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's pre-training pixel statistics
-STD = (0.26862954, 0.26130258, 0.27577711)
-
-
 @dataclass
 class CLIPConfig:  # defaults: ViT-B/32
     embed_dim: int = 512
@@ -118,9 +114,9 @@ class VisionTransformer(nn.Module):
         self.transformer = Transformer(c.vision_width, c.vision_layers, c.vision_heads, activation=c.activation)
         self.ln_post = nn.LayerNorm(c.vision_width)
         self.proj = nn.Parameter(scale * torch.randn(c.vision_width, c.embed_dim))
-        # Not in the state dict: OpenAI's files load unchanged.
-        self.register_buffer("mean", torch.tensor(MEAN).view(3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(STD).view(3, 1, 1), persistent=False)
+        # CLIP's pre-training pixel statistics, not in the state dict: OpenAI's files load unchanged.
+        self.register_buffer("mean", torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(3, 1, 1), persistent=False)
 
     def embed(self, images):
         """Patchify, prepend the class token, add positions (Eq. 2-3): [B, n+1, width]. `images` are normalised floats,
@@ -305,17 +301,14 @@ class CaptionerConfig:  # Appendix B: 3 + 3 layers, 8 heads, hidden 512 (= CLIP'
     ln_eps: float = 1e-12  # the LayerNorms' epsilon, as in the authors' BERT-style layers (PyTorch's default: 1e-5)
 
 
-def feed_forward(width, ffn):
-    return nn.Sequential(nn.Linear(width, ffn), nn.GELU(), nn.Linear(ffn, width))
-
-
 class EncoderLayer(nn.Module):
     """A post-LN Transformer layer, as in the BERT-style captioner of the authors' code."""
 
     def __init__(self, width, c: CaptionerConfig):
         super().__init__()
         self.attn, self.ln_1 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width, c.ln_eps)
-        self.mlp, self.ln_2 = feed_forward(width, c.ffn), nn.LayerNorm(width, c.ln_eps)
+        self.mlp = nn.Sequential(nn.Linear(width, c.ffn), nn.GELU(), nn.Linear(c.ffn, width))
+        self.ln_2 = nn.LayerNorm(width, c.ln_eps)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
@@ -328,7 +321,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn, self.ln_1 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width, c.ln_eps)
         self.cross_attn, self.ln_2 = Attention(width, c.heads, c.attn_dropout), nn.LayerNorm(width, c.ln_eps)
-        self.mlp, self.ln_3 = feed_forward(width, c.ffn), nn.LayerNorm(width, c.ln_eps)
+        self.mlp = nn.Sequential(nn.Linear(width, c.ffn), nn.GELU(), nn.Linear(c.ffn, width))
+        self.ln_3 = nn.LayerNorm(width, c.ln_eps)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, y, memory, cache=None):
