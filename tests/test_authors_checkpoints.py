@@ -169,6 +169,7 @@ def test_caption_their_pair_from_the_command_line(tmp_path, capsys):
     assert (tmp_path / "attention.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_their_stage_1_starts_caption_training_and_their_stage_2_scores_a_split(tmp_path, capsys):
     root = tmp_path / "synth"
     synth.write_synth(root, 30, seed=3)

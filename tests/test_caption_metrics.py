@@ -26,6 +26,7 @@ PREDS = {"000001": "the red cube turned blue .", "000002": "a small sphere was a
          "000003_n": "Nothing changed!", "000004": "the cylinder is gone", "000005": "the yellow cube moved"}
 
 
+@pytest.mark.slow
 def test_matches_pycocoevalcap_called_directly(monkeypatch):
     # One METEOR process for both sides: each start takes ~10 s to load its paraphrase tables.
     meteor = Meteor()

@@ -1,5 +1,6 @@
 """The training steps compile to one graph whatever the caption lengths, and fit() trains under
-bf16 autocast and under fp16 with the grad scaler; --amp auto picks bf16 only where the GPU has it."""
+bf16 autocast and under fp16 with the grad scaler, its layers computing in that precision; --amp auto picks
+bf16 only where the GPU has it."""
 import warnings
 
 import pytest
@@ -62,9 +63,14 @@ def test_fit_trains_under_autocast(tmp_path, amp, make_model):
     torch.manual_seed(0)
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
+    outputs = []  # the dtype of each nn.Linear's output: under autocast, the low one
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            layer.register_forward_hook(lambda layer, inputs, output: outputs.append(output.dtype))
     cfg = AdaptConfig(out_dir=str(tmp_path), device="cpu", amp=amp, epochs=1, batch_size=4, workers=0, lr=1e-3,
                       lr_clip=1e-3, log_every=100)
     fit(cfg, model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
+    assert outputs and set(outputs) == {torch.bfloat16 if amp == "bf16" else torch.float16}
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert sum(not torch.equal(a, b) for a, b in zip(before, model.parameters())) > 10  # it trained
     saved = torch.load(tmp_path / "last.pt", weights_only=True)

@@ -458,6 +458,7 @@ def test_clevr_dc_missing_captions_and_images_are_named(tmp_path):
         data.read_split("clevr_dc", tmp_path, "train")
 
 
+@pytest.mark.slow
 def test_clevr_dc_predictions_get_cider_by_the_change_type_of_their_wording(tmp_path, capsys):
     write_clevr_dc(tmp_path, ids=range(14), numbered=True)  # CIDEr rewards what sets a pair's references apart
     items = data.eval_items(data.read_split("clevr_dc", tmp_path, "train"))  # ids 0-12: 1-2 of each type

@@ -79,23 +79,27 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_two_processes_reach_the_weights_of_one(runs, stage):
     assert_same_weights(weights(runs[stage, 1]), weights(runs[stage, 2]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_two_processes_print_the_loss_of_one(runs, stage):  # the global batch's, not rank 0's half of it
     losses = [re.findall(r" loss (\S+)", runs["log", stage, processes]) for processes in (1, 2)]
     assert losses[0] == losses[1] and len(losses[0]) >= 2
 
 
+@pytest.mark.slow
 def test_the_runs_compared_did_train(runs):
     start = torch.load(runs[1, 1] / "best.pt", weights_only=True)["model"]["clip.visual.conv1.weight"]
     trained = weights(runs[2, 2])["encoder.clip.visual.conv1.weight"]  # stage 2 started from that best.pt
     assert (trained - start).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_rank_0_alone_writes_the_run(runs):
     for stage in (1, 2):
         files = sorted(p.name for p in runs[stage, 2].iterdir())
@@ -107,6 +111,7 @@ def test_rank_0_alone_writes_the_run(runs):
             assert {rank for rank, _ in writes} == {"0"} and set(expected) <= {name for _, name in writes}, writes
 
 
+@pytest.mark.slow
 def test_a_killed_two_process_run_resumes(runs):
     out = runs["tmp"] / "killed"
     flags = ["--data_root", str(runs["tmp"] / "synth"), "--out_dir", str(out), *STAGE_1]
@@ -153,6 +158,7 @@ cli.main(run)  # ends as the stage files do: every process leaves the process gr
 """
 
 
+@pytest.mark.slow
 def test_each_process_draws_its_own_dropout_masks(tmp_path):
     (tmp_path / "dropping.py").write_text(DROPOUT)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
@@ -212,6 +218,7 @@ def test_a_turn_that_fails_stops_the_processes_after_it_with_its_line(monkeypatc
         raise AssertionError("a turn after a failed one does not run")
 
 
+@pytest.mark.slow
 def test_data_that_rank_0_finds_bad_stops_both_processes_in_one_line(tmp_path):
     synth.write_synth(tmp_path / "synth", 30, seed=1)
     (tmp_path / "synth" / "splits.json").write_text("{")

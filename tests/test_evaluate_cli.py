@@ -44,6 +44,7 @@ def write_clevr_change(root):
         (root / file).write_text(json.dumps(content))
 
 
+@pytest.mark.slow
 def test_scores_a_predictions_file(tmp_path, capsys):
     root = tmp_path / "clevr"
     write_clevr_change(root)
@@ -70,6 +71,7 @@ def test_scores_a_predictions_file(tmp_path, capsys):
     assert printed[-1].split()[2] == "0.0"
 
 
+@pytest.mark.slow
 def test_metrics_to_dev_stdout_follow_the_table_in_a_redirected_file(root, preds, tmp_path):
     """Opened anew, /dev/stdout would cut the file short and the table would land over the json. A device
     replaces no result: no --overwrite is needed."""
@@ -123,6 +125,7 @@ def test_own_pairs_are_captioned_under_the_amp_asked_for(ckpt, tmp_path, capsys,
     assert under == [torch.bfloat16, torch.bfloat16, None]
 
 
+@pytest.mark.slow
 def test_predictions_are_scored_with_the_annotation_files_alone(root, preds, tmp_path, capsys):
     """Scoring text reads no image: a dataset's json files are enough."""
     annotations = tmp_path / "annotations"
@@ -133,6 +136,7 @@ def test_predictions_are_scored_with_the_annotation_files_alone(root, preds, tmp
     assert capsys.readouterr().out.startswith("clevr test: 30 image pairs\n")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_scored_under_the_amp_its_run_was_scored_under(root, tmp_path):
     """As caption.py scored the test split at its end, so that evaluate.py gives the same captions; --amp may
     choose another."""
@@ -208,7 +212,8 @@ def preds(tmp_path, right_captions):
     return tmp_path / "preds.json"
 
 
-@pytest.mark.parametrize("flag", ["--out_dir", "--out", "--attention"])
+@pytest.mark.parametrize("flag", ["--out_dir", pytest.param("--out", marks=pytest.mark.slow),  # --out: scored anew
+                                  "--attention"])
 def test_an_earlier_result_is_kept_unless_overwritten(flag, root, ckpt, preds, tmp_path, capsys):
     run = tmp_path / "run"  # a finished caption.py run: its test metrics must survive a val evaluation
     run.mkdir()
@@ -244,6 +249,7 @@ def test_a_run_that_has_not_finished_gets_no_metrics_file(mark, root, ckpt, pred
     assert snapshot(tmp_path) == earlier
 
 
+@pytest.mark.slow
 def test_a_split_is_scored_without_the_images_of_the_others(root, ckpt, tmp_path, capsys):
     """The training split lends the blind baseline its captions only."""
     copy = tmp_path / "clevr"
@@ -376,7 +382,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_scoring(flag, root, 
     assert snapshot(tmp_path) == earlier and not (read_only / "new").exists()
 
 
-@pytest.mark.parametrize("flag", ["--out", "--attention"])
+@pytest.mark.parametrize("flag", [pytest.param("--out", marks=pytest.mark.slow), "--attention"])  # --out: scored
 def test_a_full_disk_is_one_line_and_leaves_no_cut_file(flag, root, ckpt, preds, tmp_path, capsys, monkeypatch):
     """Found only once the metrics are printed or the figure drawn: the one line comes after them."""
     out = tmp_path / ("m.json" if flag == "--out" else "att.png")

@@ -1,6 +1,7 @@
 """Both stages end to end on a small synthetic CLEVR-Change: the flags, files and metrics users see."""
 import json
 
+import pytest
 from PIL import Image
 
 import adapt
@@ -11,6 +12,7 @@ import figures
 import synth
 
 
+@pytest.mark.slow
 def test_adapt_then_caption_then_evaluate(tmp_path, capsys):
     root = tmp_path / "synth"
     synth.write_synth(root, 60, seed=1)  # 48 train, 6 val, 6 test pairs

@@ -76,7 +76,15 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, make_
     with pytest.raises(KeyboardInterrupt):
         run(config(tmp_path / "killed", workers=workers), make_model, kill_at=11)  # last.pt: step 8, mid-epoch 2
     assert torch.load(tmp_path / "killed" / "last.pt", weights_only=False)["state"]["step"] == 8
-    resumed = run(config(tmp_path / "killed", workers=workers, resume=True), make_model)
+    steps = []
+
+    def counted():  # a restart from scratch would reach the same weights too, in 12 steps
+        model = make_model()
+        forward = model.forward
+        model.forward = lambda *batch: steps.append(1) or forward(*batch)
+        return model
+    resumed = run(config(tmp_path / "killed", workers=workers, resume=True), counted)
+    assert len(steps) == 4  # steps 9 to 12: none of the 8 that last.pt holds is run again
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -204,12 +212,16 @@ def test_a_progress_line_reports_the_rate_its_step_trained_at(tmp_path, capsys):
     assert [line.split(" lr ")[1].split()[0] for line in lines] == [f"{1e-3 * r / 11:.2e}" for r in (8, 3, 1)]
 
 
-def test_a_diverged_loss_stops_the_run_at_the_next_progress_line(tmp_path):
+@pytest.mark.parametrize("diverged, said", [(lambda loss: loss * float("nan"), "nan"),  # as a far too high rate ends
+                                            (lambda loss: loss + float("inf"), "inf")],  # the weights stay finite
+                         ids=["nan", "inf"])
+def test_a_diverged_loss_stops_the_run_at_the_next_progress_line(tmp_path, diverged, said):
     torch.manual_seed(0)
     model = tiny_pair_encoder()
     forward = model.forward
-    model.forward = lambda *batch: forward(*batch) * float("nan")  # as a far too high learning rate ends
-    with pytest.raises(cli.InputError, match=r"^step 3: the loss is nan, training diverged: lower --lr or --lr_clip$"):
+    model.forward = lambda *batch: diverged(forward(*batch))
+    message = rf"^step 3: the loss is {said}, training diverged: lower --lr or --lr_clip$"
+    with pytest.raises(cli.InputError, match=message):
         fit(config(tmp_path, log_every=3), model, ToyPairs(), lambda: (0.0, {}), model.new_parameter_names(), "cosine")
 
 
