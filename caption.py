@@ -24,7 +24,8 @@ import figures
 import train
 from adapt import AdaptConfig, build_model, freeze_as_authors
 from cli import InputError
-from model import CLIP4IDC, IGNORE, Captioner, CaptionerConfig, next_tokens
+from model import CLIP4IDC, Captioner, CaptionerConfig
+from tokenizer import IGNORE, next_tokens
 from train import arg
 
 

@@ -1,5 +1,4 @@
-"""Weights into the models of model.py: CLIP ViTs as OpenAI, Hugging Face transformers and open_clip save them, and
-this project's checkpoints.
+"""Weights into the models of model.py: CLIP ViTs as OpenAI, transformers and open_clip save them, and our checkpoints.
 
     model = clip_weights.load("ViT-B/32")          # downloads once into ~/.cache/clip
     model = clip_weights.load("path/to/ViT-B-32.pt")  # OpenAI's TorchScript archive, or a state dict (.safetensors too)

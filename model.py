@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cli import gather_batch, global_mean
-from tokenizer import EOT, SOT
+from tokenizer import EOT, IGNORE, SOT, next_tokens, skip_padding, trim_padding
 
 @dataclass
 class CLIPConfig:  # defaults: ViT-B/32
@@ -133,16 +133,6 @@ class VisionTransformer(nn.Module):
     def forward(self, images):
         x = self.transformer(self.embed(images))
         return self.ln_post(x[:, 0]) @ self.proj
-
-
-def skip_padding(x):
-    """Whether to leave out the padding after EOT, at the cost of shapes read off the data. Eager code on the CPU saves
-    time so, and the host sync costs nothing; a GPU would stall at the sync, and compiled code would recompile."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def trim_padding(tokens):
-    return tokens[:, :int((tokens == EOT).int().argmax(dim=1).max()) + 1] if skip_padding(tokens) else tokens
 
 
 class CLIP(nn.Module):
@@ -281,14 +271,6 @@ def contrastive_loss(v, g, logit_scale, h=None):
 
 
 # ---- Captioner: a Transformer encoder-decoder on the pair encoder's tokens (section 2.4) --------
-IGNORE = -100  # target id of the padding after a caption's EOT: no loss
-
-
-def next_tokens(tokens):
-    """What each position of tokenized captions [N, L] predicts: the next id, up to EOT; IGNORE after it."""
-    return tokens[:, 1:].masked_fill(torch.cumsum(tokens == EOT, dim=1)[:, :-1] > 0, IGNORE)
-
-
 @dataclass
 class CaptionerConfig:  # Appendix B: 3 + 3 layers, 8 heads, hidden 512 (= CLIP's embed_dim), dropout 0.1
     layers: int = 3

@@ -1,4 +1,5 @@
-"""CLIP's byte-level BPE tokenizer, OpenAI's rewritten here: `tokenize` matches `clip.tokenize(..., truncate=True)`.
+"""CLIP's byte-level BPE tokenizer, OpenAI's rewritten here: `tokenize` matches `clip.tokenize(..., truncate=True)`;
+and what the models read off token ids: where captions end, and what each position of a caption predicts.
 
     from tokenizer import tokenize
     tokenize(["the red cube moved"], context_length=32)  # [1, 32]: SOT, BPE ids, EOT, zero padding
@@ -108,3 +109,22 @@ def to_tensor(encoded, context_length):
         ids = ([SOT] + ids)[:context_length - 1] + [EOT]  # clip's truncate=True: [EOT] alone at length 1
         out[row, :len(ids)] = torch.tensor(ids)
     return out
+
+
+# ---- Token ids as the models read them: where captions end, what each position predicts ------
+def skip_padding(x):
+    """Whether to leave out the padding after EOT, at the cost of shapes read off the data. Eager code on the CPU saves
+    time so, and the host sync costs nothing; a GPU would stall at the sync, and compiled code would recompile."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def trim_padding(tokens):
+    return tokens[:, :int((tokens == EOT).int().argmax(dim=1).max()) + 1] if skip_padding(tokens) else tokens
+
+
+IGNORE = -100  # target id of the padding after a caption's EOT: no loss
+
+
+def next_tokens(tokens):
+    """What each position of tokenized captions [N, L] predicts: the next id, up to EOT; IGNORE after it."""
+    return tokens[:, 1:].masked_fill(torch.cumsum(tokens == EOT, dim=1)[:, :-1] > 0, IGNORE)
