@@ -31,11 +31,9 @@ from train import arg
 
 @dataclass
 class CaptionConfig(train.RunConfig):
-    """Appendix B and the authors' code. `--data synth`, the offline default, trains a small captioner on the small
-    pair encoder of stage 1, which trains at the captioner's rate: far from converged, it still learns what captions
-    need (at a tenth of it, every seed tried scored lower). Dropout is off: a run of a few epochs learns faster
-    without it, and on a CPU attention dropout forces the slow attention kernel. Scoring only the words of the
-    training captions, not all 49,408 of CLIP's, takes about 40% off the time of a step (docs/offline-default.md)."""
+    """Appendix B and the authors' code. `--data synth`, the offline default (docs/offline-default.md says why): a small
+    captioner without dropout, which slows a short run, writing only the training captions' words (40% off a step),
+    on stage 1's small pair encoder, which trains at the captioner's rate (at a tenth of it, every seed scored lower)."""
     stage = "caption"
     data: Literal["synth", "clevr", "spot", "ier", "birds", "clevr_dc"] = arg(
         "synth", "synth: the offline CLEVR-Change look-alike")
