@@ -90,6 +90,7 @@ def test_stage_2_decodes_at_most_32_steps_after_sot_as_appendix_b_and_the_author
     assert ids.shape == (2, 33)  # SOT and 32 decoded tokens
 
 
+@pytest.mark.slow  # whole runs of both stages, scored with Java
 def test_runs_print_their_trainable_parameters(tmp_path, capsys):
     root = tmp_path / "synth"
     synth.write_synth(root, 30, seed=4)

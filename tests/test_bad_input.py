@@ -437,6 +437,7 @@ def test_flags_the_model_cannot_take_are_one_line_and_write_nothing(root, stage_
     assert snapshot(tmp_path) == earlier and [p.name for p in tmp_path.iterdir()] == ["data"]  # no image store
 
 
+@pytest.mark.slow  # whole runs of both stages, scored with Java
 def test_a_flag_the_run_would_not_read_is_refused(root, stage_1, tmp_path, capsys):
     at, best = ["--data_root", root, "--out_dir", tmp_path / "run"], stage_1 / "best.pt"
     assert error_of(capsys, adapt.main, *SMALL, *at, "--init", "random", "--clip", "ViT-L/14").endswith(
@@ -623,6 +624,7 @@ def test_a_resumed_stage_2_run_may_change_its_patience_alone(tmp_path):
         train.check_run_folder(caption.CaptionConfig(out_dir=str(out), resume=True, lr=1e-2))
 
 
+@pytest.mark.slow  # whole runs of both stages, scored with Java
 def test_a_stage_2_run_resumes_without_its_stage_1_file_and_split_flags_that_repeat_its_encoders(
         root, stage_1, tmp_path, capsys, monkeypatch):
     init, out = tmp_path / "stage1" / "best.pt", tmp_path / "c"
@@ -685,6 +687,7 @@ def test_resume_into_a_model_of_another_shape_is_refused(root, stage_1, tmp_path
     assert snapshot(out) == before
 
 
+@pytest.mark.slow  # whole runs of both stages, scored with Java
 def test_resume_with_other_words_to_write_counts_them(root, stage_1, tmp_path, capsys):
     out = tmp_path / "run"
     flags = [*SMALL, "--data_root", root, "--init_from", stage_1 / "best.pt", "--out_dir", out]
@@ -953,6 +956,7 @@ def test_an_unreadable_image_is_one_line_in_bench_py_too(root, tmp_path, capsys)
     assert not list((tmp_path / "synth").glob("store_*"))
 
 
+@pytest.mark.slow  # whole runs of both stages, scored with Java
 def test_an_unreadable_test_image_met_after_training_says_how_to_finish_the_run(root, stage_1, tmp_path, capsys):
     shutil.copytree(root, tmp_path / "synth", ignore=shutil.ignore_patterns("store_*"))
     image = tmp_path / "synth" / "sc_images" / "CLEVR_semantic_000028.png"  # a test pair's, read after training
@@ -971,6 +975,7 @@ def test_an_unreadable_test_image_met_after_training_says_how_to_finish_the_run(
     assert "resumed from" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # whole runs of both stages, scored with Java
 def test_a_scorer_that_fails_after_training_says_how_to_finish_the_run(root, stage_1, tmp_path, capsys, monkeypatch):
     def java_gone(gts, res):  # METEOR runs at the test split alone: validation scores CIDEr
         raise BrokenPipeError(32, "Broken pipe")
