@@ -1,26 +1,19 @@
-"""Speed checks.
+"""Speed checks; a flag that the chosen check does not read is refused rather than ignored.
 
     python bench.py clip                      # our CLIP against OpenAI's model.py (fp32, CPU threads)
-    python bench.py decode                    # greedy decoding with and without the key/value cache
-    python bench.py decode --beams 1 3 5      # ... and the time a pair by beam width (1: greedy)
+    python bench.py decode --beams 1 3 5      # greedy decoding with and without the key/value cache, and beam search
     python bench.py train --stage 1           # a training step at full ViT-B/32 size: pairs/s, FLOPs, MFU
     python bench.py train --stage 2 --data_root data/synth --fit_steps 300   # ... and the whole loop on real data
     python bench.py train --stage 1 --preset small --batch 48 --hard_negatives 0 6 --amp off --modes eager  # their cost
     python bench.py loader --data_root data/synth   # loader pairs/s by workers, from PNG files and the ImageStore
 
-clip: the median time of encode_image and encode_text for our CLIP and OpenAI's, on the same random
-ViT-B/32 weights, inputs and threads, and the ratio reference / ours (above 1: ours is faster),
-timed alternately so that load from other processes slows both alike (needs requirements-dev.txt).
-decode: 64 pairs, 32 steps, the full-size captioner (3 + 3 layers, width 512); whether the two
-give identical captions; with --beams, also the time a pair of beam search by width (on random weights,
-every width runs all 32 steps).
-train: the step of adapt.py (stage 1, batch 128) or caption.py (stage 2, 16 change + 16 distractor
-pairs) on random data already on the device, eager and compiled, fp32 and bf16; FLOPs per step
-counted by torch.utils.flop_counter (matrix products and attention, forward and backward); on CUDA
-the model FLOPs utilisation (MFU) against the device's dense bf16 peak. With --data_root, also
-train.fit itself on that dataset (loader, store, optimiser and all) for --fit_steps steps.
-loader: pairs/s of the stage's training batches through a DataLoader, by number of workers.
-A flag that the chosen check does not read is refused rather than ignored.
+clip: the median times of encode_image and encode_text, ours and OpenAI's on the same random ViT-B/32 weights, inputs
+and threads, timed alternately so that load from other processes slows both alike, and the ratio reference / ours
+(above 1: ours is faster); needs requirements-dev.txt.
+decode: the full-size captioner (3 + 3 layers, width 512), all 32 steps at every beam width on its random weights.
+train: a step of adapt.py or caption.py (its batch of 16: 16 change + 16 distractor pairs) on random data on the
+device, eager and compiled, fp32 and bf16; its FLOPs counted by torch.utils.flop_counter (matrix products and attention,
+forward and backward) and MFU against a CUDA device's dense bf16 peak; with --data_root, also train.fit, loader and all.
 """
 import argparse
 import functools
@@ -62,21 +55,8 @@ def seconds(fn, *args):
 
 
 # ---- clip, decode -------------------------------------------------------------------------------
-def compare(name, ours, ref, x, repeats):
-    for fn in (ours, ref):  # warmup: allocator, thread pool and kernel selection
-        fn(x)
-    times = {"ours": [], "reference": []}
-    for _ in range(repeats):
-        times["ours"].append(seconds(ours, x))
-        times["reference"].append(seconds(ref, x))
-    t_ours, t_ref = statistics.median(times["ours"]), statistics.median(times["reference"])
-    print(f"{name:<12} {tuple(x.shape)!s:<18} ours {1e3 * t_ours:8.1f} ms   reference {1e3 * t_ref:8.1f} ms"
-          f"   ratio {t_ref / t_ours:.2f}")
-
-
 def bench_clip(args):
     from tests.openai_reference import build, random_state_dict  # OpenAI's code: a development requirement
-
     sd = random_state_dict(CLIPConfig(), seed=0)
     with tempfile.TemporaryDirectory() as tmp:  # ours goes through the real loading path
         torch.save(sd, Path(tmp) / "vit_b32.pt")
@@ -87,8 +67,14 @@ def bench_clip(args):
     tokens = tokenize([CAPTIONS[i % len(CAPTIONS)] for i in range(args.texts)])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, median of {args.repeats}")
     with torch.inference_mode():
-        compare("encode_image", ours.encode_image, ref.encode_image, images, args.repeats)
-        compare("encode_text", ours.encode_text, ref.encode_text, tokens, args.repeats)
+        for name, x in (("encode_image", images), ("encode_text", tokens)):
+            encoders = getattr(ours, name), getattr(ref, name)
+            for encode in encoders:  # warm-up: allocator, thread pool and kernel selection
+                encode(x)
+            times = [[seconds(encode, x) for encode in encoders] for _ in range(args.repeats)]  # alternately
+            t_ours, t_ref = map(statistics.median, zip(*times))
+            print(f"{name:<12} {tuple(x.shape)!s:<18} ours {1e3 * t_ours:8.1f} ms   reference {1e3 * t_ref:8.1f} ms"
+                  f"   ratio {t_ref / t_ours:.2f}")
 
 
 def bench_decode(args):
@@ -97,12 +83,10 @@ def bench_decode(args):
     # Random pair tokens stand in for the pair encoder's output: decoding cost does not depend on them.
     tokens = torch.randn(args.pairs, captioner.encoder.pair_pos.shape[0], captioner.encoder.config.clip.embed_dim)
     memories = captioner.encode_visual(tokens)
-    cached, recomputed = captioner.greedy(memories, use_cache=True), captioner.greedy(memories, use_cache=False)
-    times = {True: [], False: []}
-    for _ in range(args.repeats):
-        for use_cache in (True, False):
-            times[use_cache].append(seconds(functools.partial(captioner.greedy, use_cache=use_cache), memories))
-    t_cache, t_full = statistics.median(times[True]), statistics.median(times[False])
+    greedy = [functools.partial(captioner.greedy, use_cache=use_cache) for use_cache in (True, False)]
+    cached, recomputed = (decode(memories) for decode in greedy)
+    times = [[seconds(decode, memories) for decode in greedy] for _ in range(args.repeats)]
+    t_cache, t_full = map(statistics.median, zip(*times))
     print(f"greedy decoding, {args.pairs} pairs, {cached.shape[1] - 1} steps: cached {1e3 * t_cache:.1f} ms   "
           f"recomputed {1e3 * t_full:.1f} ms   speed-up {t_full / t_cache:.2f}   "
           f"identical captions: {torch.equal(cached, recomputed)}")
@@ -114,10 +98,8 @@ def bench_decode(args):
 
 # ---- train, loader ------------------------------------------------------------------------------
 def stage_model(args, negatives=0):
-    """The stage's model at the paper's size (or the offline preset) and a random batch of its shape, in stage 1
-    with `negatives` hard-negative captions a pair."""
-    clip = SMALL_CLIP if args.preset == "small" else CLIPConfig()
-    n_intra = adapt.AdaptConfig().n_intra if args.preset == "small" else 9
+    """The stage's model (--preset) and a random batch for it, in stage 1 with `negatives` hard negatives a pair."""
+    clip, n_intra = (SMALL_CLIP, adapt.AdaptConfig().n_intra) if args.preset == "small" else (CLIPConfig(), 9)
     encoder = CLIP4IDC(CLIP4IDCConfig(clip=clip, n_intra=n_intra))
     size, b = clip.image_size, args.batch
     lengths = torch.randint(6, 20, (b * (2 if args.stage == 2 else 1 + negatives),))  # where EOT sits: CLEVR-Change-like
@@ -129,14 +111,14 @@ def stage_model(args, negatives=0):
     if args.stage == 1:
         batch = pixels, torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8), ids[:b]
         return encoder, batch + ((ids[b:].view(b, negatives, 32),) if negatives else ())
-    small = {k: getattr(caption.CaptionConfig(), k) for k in ("heads", "ffn", "dropout", "attn_dropout")}  # the offline captioner
+    small = {k: getattr(caption.CaptionConfig(), k) for k in ("heads", "ffn", "dropout", "attn_dropout")}
     config = CaptionerConfig(**small, vocab=(*words, EOT)) if args.preset == "small" else CaptionerConfig()
     captioner = Captioner(encoder, config)
     return captioner, (pixels, torch.randint(0, 256, (b, 2, 3, size, size), dtype=torch.uint8), ids.view(b, 2, 32))
 
 
 def step_flops(model, batch):
-    """FLOPs of one eager fp32 forward and backward (they do not depend on precision): matrix products and attention."""
+    """FLOPs of matrix products and attention in one eager fp32 forward and backward (any precision's alike)."""
     with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
         model(*batch).backward()
     model.zero_grad(set_to_none=True)
@@ -149,26 +131,18 @@ def step_rate(model, batch, device, amp, mode, steps):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7, fused=True)
     net = torch.compile(model, mode=mode) if mode != "eager" else model
 
-    def step():
-        if mode in ("reduce-overhead", "max-autotune"):  # CUDA graphs: the last step's outputs get overwritten
-            torch.compiler.cudagraph_mark_step_begin()
-        with autocast:
-            loss = net(*batch)
-        train.update(model, loss, optimizer, scaler, 1.0)
+    def run(n):
+        for _ in range(n):
+            if mode in ("reduce-overhead", "max-autotune"):  # CUDA graphs: the last step's outputs get overwritten
+                torch.compiler.cudagraph_mark_step_begin()
+            with autocast:
+                loss = net(*batch)
+            train.update(model, loss, optimizer, scaler, 1.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
-    for _ in range(3):
-        step()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    synchronize(device)
-    return steps / (time.perf_counter() - start)
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    run(3)
+    return steps / seconds(run, steps)
 
 
 def bench_train(args):
@@ -198,12 +172,11 @@ def fit_rate(args, device, pairs, size, store, negatives):
     """train.fit on real data, read through the runs' ImageStore, validation left out: the printed pairs/s."""
     torch.manual_seed(0)
     model = stage_model(args)[0].to(device)
-    config_cls = adapt.AdaptConfig if args.stage == 1 else caption.CaptionConfig
     if args.stage == 1:
         rewrite = adapt.HardNegatives(pairs, negatives, adapt.KINDS, 32) if negatives else None
-        dataset = data.AdaptDataset(pairs, size, 32, 0, store, rewrite)
+        config_cls, dataset = adapt.AdaptConfig, data.AdaptDataset(pairs, size, 32, 0, store, rewrite)
     else:
-        dataset = data.CaptionDataset(pairs, size, 32, 0, store)
+        config_cls, dataset = caption.CaptionConfig, data.CaptionDataset(pairs, size, 32, 0, store)
     dataset = Repeat(dataset, args.fit_steps * args.batch)  # one epoch: fit writes last.pt at each epoch's end
     with tempfile.TemporaryDirectory() as out:
         cfg = config_cls(data=args.data, out_dir=out, batch_size=args.batch, amp=args.amp[-1],
@@ -215,8 +188,6 @@ def fit_rate(args, device, pairs, size, store, negatives):
 
 
 class Repeat(torch.utils.data.Dataset):
-    """`dataset` repeated to n samples."""
-
     def __init__(self, dataset, n):
         self.dataset, self.n = dataset, n
 
@@ -228,8 +199,7 @@ class Repeat(torch.utils.data.Dataset):
 
 
 def train_pairs_and_store(args):
-    """The training pairs, their image size, and the image store of all three splits: the one the runs build
-    and use, so that neither builds it again."""
+    """The training pairs, their image size, and the runs' own image store of all three splits (built once for both)."""
     splits = [data.read_split(args.data, args.data_root, split) for split in ("train", "val", "test")]
     size = SMALL_CLIP.image_size if args.preset == "small" else 224
     try:
@@ -250,8 +220,8 @@ def bench_loader(args):
             raise cli.InputError(f"--batch {args.batch}: expected at most half the {len(dataset)} training samples, "
                                   "for at least one timed batch")
         for workers in args.workers_list:
-            loader = data.make_loader(dataset, args.batch, device, workers, data.EpochSampler(len(dataset), 0, args.batch))
-            batches = iter(loader)
+            sampler = data.EpochSampler(len(dataset), 0, args.batch)
+            batches = iter(data.make_loader(dataset, args.batch, device, workers, sampler))
             next(batches)  # workers started
             start, n = time.perf_counter(), 0
             for batch in batches:

@@ -1,11 +1,9 @@
 """A synthetic CLEVR-Change for offline runs: scenes of 3-6 objects drawn with Pillow, one of five
 changes (color, material, add, drop, move) per pair, a distractor of the before scene under another
 viewpoint and light, and captions in CLEVR-Change's style, written in CLEVR-Change's layout
-(data.read_split reads it as "synth").
+(data.read_split reads it as "synth"), with the scene graphs the images were drawn from in scenes.json.
 
     python synth.py --out data/synth --pairs 5600 --seed 0
-
-scenes.json beside the captions holds the scene graphs the images were drawn from.
 """
 import contextlib
 import functools
@@ -25,6 +23,8 @@ from data import cores, read_json
 
 log = logging.getLogger("synth")
 
+PAIRS = 5600  # the offline default: train 5,200, val 200, test 200 (docs/offline-default.md says why so many)
+MIN_PAIRS = 10  # a tenth of them for val and a tenth for test: at least one pair each
 W, H, Y_FAR, Y_NEAR = 480, 320, 80, 290  # image size; ground rows of the farthest and nearest objects
 COLORS = {"gray": (87, 87, 87), "red": (173, 35, 35), "blue": (42, 75, 215), "green": (29, 105, 20),
           "brown": (129, 74, 25), "purple": (129, 38, 192), "cyan": (41, 208, 208), "yellow": (255, 238, 51)}
@@ -35,14 +35,12 @@ WORDS = {"small": ("small", "tiny"), "large": ("large", "big"), "rubber": ("rubb
          "metal": ("metal", "metallic", "shiny"), "sphere": ("sphere", "ball"), "cube": ("cube", "block"),
          "cylinder": ("cylinder",)}
 BECAME = ("the {o} changed to {new}", "the {o} turned {new}", "the {o} became {new}", "the {o} is now {new}")
-TEMPLATES = {
-    "color": BECAME + ("the {o} was painted {new}",), "material": BECAME,
-    "add": ("a {o} has been added", "someone added a {o}", "a {o} appeared", "there is a new {o}",
-            "a {o} has appeared"),
-    "drop": ("the {o} has disappeared", "the {o} is missing", "the {o} is gone", "someone removed the {o}"),
-    "move": ("the {o} changed its location", "the {o} has been moved", "the {o} is in a different location",
-             "the {o} moved", "someone moved the {o}"),
-}
+TEMPLATES = {"color": BECAME + ("the {o} was painted {new}",), "material": BECAME,
+             "add": ("a {o} has been added", "someone added a {o}", "a {o} appeared", "there is a new {o}",
+                     "a {o} has appeared"),
+             "drop": ("the {o} has disappeared", "the {o} is missing", "the {o} is gone", "someone removed the {o}"),
+             "move": ("the {o} changed its location", "the {o} has been moved", "the {o} is in a different location",
+                      "the {o} moved", "someone moved the {o}")}
 NO_CHANGE = ("the scene remains the same", "nothing has changed", "no change was made", "the two scenes seem identical",
              "there is no difference", "no change has occurred", "the scene is the same as before",
              "nothing was modified")
@@ -69,12 +67,13 @@ def new_object(rng):
 
 
 def make_scene(rng):
-    objects = []
-    for _ in range(rng.randint(3, 6)):
-        objects.append(new_object(rng))
-        if not place(objects[-1], objects[:-1], rng):
-            return None
-    return objects
+    """3 to 6 objects, drawn again from the first where one finds no free spot."""
+    while True:
+        n, objects = rng.randint(3, 6), []
+        while len(objects) < n and place(obj := new_object(rng), objects, rng):
+            objects.append(obj)
+        if len(objects) == n:
+            return objects
 
 
 def change_scene(objects, kind, rng):
@@ -160,16 +159,6 @@ def describe(obj, scene, rng):
     return " ".join(words)
 
 
-def change_captions(kind, before, after, old, new, rng, n=5):
-    """`n` distinct references for one change, in the style of CLEVR-Change's templates."""
-    subject, scene = (new, after) if kind == "add" else (old, before)
-    captions = {}  # a dict keeps the drawing order, so the output is deterministic
-    while len(captions) < n:
-        value = new["color"] if kind == "color" else rng.choice(WORDS[new["material"]]) if kind == "material" else ""
-        captions[rng.choice(TEMPLATES[kind]).format(o=describe(subject, scene, rng), new=value)] = None
-    return list(captions)
-
-
 def random_camera(rng):
     """A distractor's viewpoint and light: a shift, a zoom, and 8-20% darker or brighter."""
     return {"dx": round(rng.uniform(-10, 10), 1), "dy": round(rng.uniform(-6, 6), 1),
@@ -178,15 +167,20 @@ def random_camera(rng):
 
 
 def synth_pair(i, seed):
-    """The scene graphs, change captions and no-change captions of pair `i`, fixed by (seed, i)."""
+    """The scene graphs, 5 change captions and 5 no-change captions of pair `i`, fixed by (seed, i)."""
     rng = random.Random(f"synth:{seed}:{i}")
     kind, change = CHANGES[i % len(CHANGES)], None  # types cycle, so every split is balanced
     while change is None:
         before = make_scene(rng)
-        change = before and change_scene(before, kind, rng)
+        change = change_scene(before, kind, rng)
     after, old, new = change
     scene = {"change_type": kind, "before": before, "after": after, "distractor_camera": random_camera(rng)}
-    return scene, change_captions(kind, before, after, old, new, rng), rng.sample(NO_CHANGE, 5)
+    subject, objects = (new, after) if kind == "add" else (old, before)
+    captions = {}  # a dict keeps the drawing order, so the output is deterministic
+    while len(captions) < 5:
+        value = new["color"] if kind == "color" else rng.choice(WORDS[new["material"]]) if kind == "material" else ""
+        captions[rng.choice(TEMPLATES[kind]).format(o=describe(subject, objects, rng), new=value)] = None
+    return scene, list(captions), rng.sample(NO_CHANGE, 5)
 
 
 def draw_pair(i, seed, folder):
@@ -200,19 +194,12 @@ def draw_pair(i, seed, folder):
     return name, scene, captions, no_change
 
 
-MIN_PAIRS = 10  # a tenth of them for val and a tenth for test: at least one pair each
-
-
 def write_synth(out, n_pairs, seed, workers=None):
-    """Write `n_pairs` pairs to `out` in CLEVR-Change's layout, plus scenes.json with the scene graphs
-    drawn; `workers` processes draw them (default: one per core, for large sets only)."""
-    out = Path(out)
+    """`n_pairs` pairs in `out`, drawn by `workers` processes (default: one per core, for large sets only)."""
     if n_pairs < MIN_PAIRS:
         raise InputError(f"--pairs {n_pairs}: expected at least {MIN_PAIRS}, for non-empty val and test splits")
-    if out.exists():
-        raise FileExistsError(f"{out} exists; choose a new folder for the synthetic dataset")
     files = {"change_captions": {}, "no_change_captions": {}, "type_mapping": {k: [] for k in CHANGES}, "scenes": {}}
-    with new_folders(out.parent), drawn_whole(out) as tmp:  # the parents it makes go again if the drawing fails
+    with drawn_whole(out, "the synthetic dataset") as tmp:
         for folder in ("images", "sc_images", "nsc_images"):
             (tmp / folder).mkdir(parents=True)
         with worker_pool(workers or min(cores(), 1 + n_pairs // 500)) as pool:
@@ -230,23 +217,27 @@ def write_synth(out, n_pairs, seed, workers=None):
 
 
 @contextlib.contextmanager
-def drawn_whole(out):
-    """A scratch folder for the block to draw into, renamed `out` once whole: a killed or failed drawing leaves
-    no dataset behind."""
-    tmp = scratch(out, "partial")
-    try:
-        yield tmp
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:  # a full disk: name the folder, as PIL's error may not
-            raise OSError(e.errno, e.strerror, str(out)) from None
-        raise
-    try:
-        tmp.rename(out)
-    except OSError:  # another process wrote the same dataset first
-        shutil.rmtree(tmp)
-        if not out.is_dir():
+def drawn_whole(out, what):
+    """A scratch folder for the block to draw `what` into, renamed `out` once whole: a killed or failed drawing
+    leaves no dataset behind, nor the parents made for it."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new folder for {what}")
+    with new_folders(out.parent):
+        tmp = scratch(out, "partial")
+        try:
+            yield tmp
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno in DISK_ERRNOS:  # a full disk: name the folder, as PIL's may not
+                raise OSError(e.errno, e.strerror, str(out)) from None
             raise
+        try:
+            tmp.rename(out)
+        except OSError:  # another process wrote the same dataset first
+            shutil.rmtree(tmp)
+            if not out.is_dir():
+                raise
 
 
 # ---- Single scenes, for pretraining a CLIP (pretrain.py) -----------------------------------------
@@ -254,9 +245,7 @@ def scene(i, seed):
     """Scene `i` of pretrain.py's single scenes, fixed by (seed, i): objects, and a camera and light that
     vary as the distractors' do for half of them. Their random stream is not the IDC pairs' (synth_pair)."""
     rng = random.Random(f"scene:{seed}:{i}")
-    while (objects := make_scene(rng)) is None:
-        pass
-    return {"objects": objects, "camera": random_camera(rng) if rng.random() < 0.5 else SAME_CAMERA}
+    return {"objects": make_scene(rng), "camera": random_camera(rng) if rng.random() < 0.5 else SAME_CAMERA}
 
 
 def draw_scene(i, seed, folder):
@@ -267,10 +256,7 @@ def draw_scene(i, seed, folder):
 
 def write_scenes(out, n, seed=0):
     """`n` single scenes as out/scene_%06d.png, and their graphs in out/scenes.json, on every core."""
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} exists; choose a new folder for the scenes")
-    with new_folders(out.parent), drawn_whole(out) as tmp:
+    with drawn_whole(out, "the scenes") as tmp:
         tmp.mkdir(parents=True)
         with worker_pool(min(cores(), 1 + n // 500)) as pool:
             graphs = list(pool.imap(functools.partial(draw_scene, seed=seed, folder=tmp), range(n), chunksize=25))
@@ -325,9 +311,6 @@ def grade(items, preds):
                                 for i in items if i.change_type == "distractor")}
 
 
-PAIRS = 5600  # the offline default: train 5,200, val 200, test 200 (docs/offline-default.md says why so many)
-
-
 def check_root(root):
     """--data_root of --data synth: a folder that can be made, to draw into on first use, or one drawn before."""
     if not Path(root).is_dir():
@@ -338,15 +321,12 @@ def check_root(root):
 
 
 def ensure_synth(root, pairs=PAIRS, seed=0):
-    """Generate the synthetic dataset at `root` unless it exists; an existing one of another size is
-    used as it is, with a warning."""
+    """Draw the synthetic dataset into `root` unless it exists; one of another size is used as it is, with a warning."""
     root = Path(root)
     if not root.exists():
         log.warning("generating %d synthetic CLEVR-Change pairs in %s", pairs, root)
         write_synth(root, pairs, seed)
-        return root
-    held = len(read_json("clevr", root / "scenes.json")[0]) if (root / "scenes.json").is_file() else pairs
-    if held != pairs:
+    elif (root / "scenes.json").is_file() and (held := len(read_json("clevr", root / "scenes.json")[0])) != pairs:
         log.warning("%s holds %d pairs, not the %d asked for: delete it to generate those", root, held, pairs)
     return root
 
