@@ -82,7 +82,7 @@ class RunConfig:
         self.data_root = self.data_root or f"data/{self.data}"
         self.out_dir = self.out_dir or f"out/{self.stage}-{self.data}"
         for name, value in asdict(self).items():
-            low, high = self.meta(name).get("low"), self.meta(name).get("high")
+            low, high = (self.meta(name).get(end) for end in ("low", "high"))
             finite = not isinstance(value, float) or math.isfinite(value)  # ints of any size are finite
             if low is not None and not (finite and low <= value and (high is None or value <= high)):
                 expected = f"in [{low}, {high}]" if high is not None else f">= {low}"
@@ -193,8 +193,9 @@ def check_run_folder(cfg, held=False):
                 and isinstance(saved["state"], dict) and "step" in saved["state"]):
             raise InputError(f"--resume: {out / 'last.pt'} is not a last.pt of adapt.py or caption.py")
         saved = saved["config"]
-        if set(saved) - set(asdict(cfg)):  # settings of another stage
-            other = next((f"{c.stage}.py" for c in RunConfig.__subclasses__() if set(saved) <= set(asdict(c()))), "")
+        if set(saved) - set(cfg.__dataclass_fields__):  # settings of another stage
+            other = next((f"{c.stage}.py" for c in RunConfig.__subclasses__() if set(saved) <= set(c.__dataclass_fields__)),
+                         "")
             raise InputError(f"--resume: {out / 'last.pt'} is a run of {other}: resume it with {other}")
         changed = differences(saved, asdict(cfg), asdict(type(cfg)()))
         if changed := {k: v for k, v in changed.items() if not cfg.meta(k).get("free")}:
